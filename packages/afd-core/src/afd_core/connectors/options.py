@@ -1,0 +1,35 @@
+"""Connector-specific options (`connector_extra_config`), one closed schema per connector."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _coerce_float(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("expected a number of seconds")
+    if isinstance(v, int | float):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            pass
+    raise ValueError("expected a number of seconds")
+
+
+Seconds = Annotated[float, BeforeValidator(_coerce_float)]
+
+
+class GlooOptions(BaseModel):
+    """Options of the CPU gloo connector."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Longest wait for a peer (rendezvous, a control message, one layer's tensors).
+    timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
+    # Longest wait for every rank to join the rendezvous at start-up; servers start at
+    # different times (model load), so this is longer than a per-step wait.
+    connect_timeout_s: Seconds = Field(default=300.0, gt=0, le=3600)

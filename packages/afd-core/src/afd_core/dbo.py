@@ -1,0 +1,59 @@
+"""The DBO yield point: `torch.ops.vllm.manual_dbo_yield(x)`.
+
+The attention-side FFN proxy calls it between sending a layer's hidden states and
+receiving the FFN output, so that with two micro-batches one micro-batch's attention runs
+while the other's FFN is computed remotely. It is registered as a custom op that mutates
+its argument: torch.compile and CUDA-graph capture then keep it as an ordered, opaque node
+instead of dropping or reordering a call that returns nothing. While no micro-batching is
+active it does nothing.
+"""
+
+import threading
+
+OP_NAME = "manual_dbo_yield"
+_lock = threading.Lock()
+
+
+def _make_impls():
+    # Defined with torch imported, because torch's schema inference needs real annotations
+    # (this module must import without torch).
+    import torch
+
+    def manual_dbo_yield(x: torch.Tensor) -> None:
+        from vllm.v1.worker import ubatching
+
+        if ubatching.dbo_enabled():
+            ubatching.dbo_yield()
+
+    def manual_dbo_yield_fake(x: torch.Tensor) -> None:
+        return None
+
+    return manual_dbo_yield, manual_dbo_yield_fake
+
+
+def is_registered() -> bool:
+    import torch
+
+    return hasattr(torch.ops.vllm, OP_NAME)
+
+
+def register_dbo_yield_custom_op() -> bool:
+    """Register the op once per process; True if this call registered it."""
+    import torch  # noqa: F401 - torch.ops must exist before the check
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    with _lock:
+        if is_registered():
+            return False
+        impl, fake = _make_impls()
+        direct_register_custom_op(op_name=OP_NAME, op_func=impl, mutates_args=["x"], fake_impl=fake)
+        return True
+
+
+def dbo_yield(x) -> None:
+    """Call the registered op (registering it first if this process has not)."""
+    import torch
+
+    if not is_registered():
+        register_dbo_yield_custom_op()
+    torch.ops.vllm.manual_dbo_yield(x)

@@ -1,0 +1,46 @@
+"""Environment variables read by AFD. One place, so `afd doctor` and the docs can list them."""
+
+from __future__ import annotations
+
+import os
+
+# "1" forces Python's default multiprocessing context to spawn (and redirects forkserver).
+AFD_FORCE_SPAWN_MULTIPROCESSING = "AFD_FORCE_SPAWN_MULTIPROCESSING"
+# Limits the afd_balanced routing strategy to the first n local experts of each EP rank.
+AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK = "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK"
+# vLLM's own variable that selects a MoE routing-simulation strategy.
+VLLM_MOE_ROUTING_SIMULATION_STRATEGY = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+
+ALL = {
+    AFD_FORCE_SPAWN_MULTIPROCESSING: '"1" forces the spawn start method (opt-in)',
+    AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK: "afd_balanced routing: experts per EP rank (0 = all)",
+    VLLM_MOE_ROUTING_SIMULATION_STRATEGY: '"afd_balanced" selects AFD benchmark routing',
+}
+
+
+def force_spawn_requested() -> bool:
+    return os.environ.get(AFD_FORCE_SPAWN_MULTIPROCESSING) == "1"
+
+
+def balanced_routing_requested() -> bool:
+    return os.environ.get(VLLM_MOE_ROUTING_SIMULATION_STRATEGY) == "afd_balanced"
+
+
+def force_lb_topn_per_rank() -> int:
+    """Parse AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK; unset or empty means 0 (all experts)."""
+    raw = os.environ.get(AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK}={raw!r} is not an integer; "
+            "allowed: 0 (all local experts) or a positive number of experts per EP rank"
+        ) from None
+    if value < 0:
+        raise ValueError(
+            f"{AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK}={value} is negative; "
+            "allowed: 0 (all local experts) or a positive number of experts per EP rank"
+        )
+    return value

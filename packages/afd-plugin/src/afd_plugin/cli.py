@@ -1,0 +1,29 @@
+"""The `afd` command line: `afd doctor`, `afd demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afd", description="Attention-FFN Disaggregation for vLLM"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="check whether AFD can run here, and why not")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from afd_plugin.doctor import main as doctor_main
+
+        return doctor_main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`afd doctor`: can AFD run here, and if not, why.
+
+Runs register_afd in this process (as vLLM would) and reports versions, platform, every
+registration step and patch, the AFD models and the connectors. Exit status 0 only when an
+AFD deployment can start on this machine.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict:
+    """Everything the report shows, as data (tests read this)."""
+    from afd_core import registration as reg
+    from afd_core.connectors.registry import _SPECS
+    from afd_core.patches import CORE_PATCHES
+    from afd_core.patches.catalogue import info
+    from afd_core.version_gate import SUPPORTED_VLLM_VERSION, installed_vllm, is_supported
+
+    problems: list[str] = []
+    vllm = installed_vllm()
+    report: dict = {
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "vllm": None if vllm is None else vllm.version,
+        "vllm_distribution": None if vllm is None else vllm.distribution,
+        "supported_vllm": SUPPORTED_VLLM_VERSION,
+        "vllm_supported": vllm is not None and is_supported(vllm.version),
+        "platform": None,
+        "afd_packages": {
+            d: _dist_version(d) for d in ("afd-core", "afd-models", "afd-npu", "afd-plugin")
+        },
+    }
+    if vllm is None:
+        problems.append("vLLM is not installed: install afd-plugin[cpu], [cuda] or [npu]")
+    elif not report["vllm_supported"]:
+        problems.append(f"vLLM {vllm.version} is installed; AFD supports {SUPPORTED_VLLM_VERSION}")
+
+    models: list[str] = []
+    if vllm is not None:
+        try:
+            from vllm.platforms import current_platform
+
+            report["platform"] = current_platform.device_type
+        except Exception as exc:
+            problems.append(f"vLLM's platform could not be detected: {exc}")
+        from afd_plugin import register_afd
+
+        try:
+            register_afd()
+        except Exception as exc:
+            problems.append(f"register_afd raised {type(exc).__name__}: {exc}")
+        try:
+            from vllm.model_executor.models import ModelRegistry
+
+            models = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("AFD"))
+        except Exception as exc:
+            problems.append(f"the model registry could not be read: {exc}")
+
+    steps = reg.records()
+    report["steps"] = {n: (r.status.value, r.reason) for n, r in steps.items()}
+    report["patches"] = {}
+    for name in CORE_PATCHES:
+        rec = steps.get(reg.patch_step(name))
+        meta = info(name)
+        report["patches"][name] = {
+            "status": rec.status.value if rec else "not run",
+            "reason": rec.reason if rec else "",
+            "why": meta.why,
+            "replaces": list(meta.replaces),
+        }
+    report["models"] = models
+    device = report["platform"]
+    report["connectors"] = {
+        s.name: {"platforms": list(s.device_types), "usable_here": device in s.device_types}
+        for s in _SPECS.values()
+    }
+    if vllm is not None:
+        always = [
+            reg.patch_step("config_validation"),
+            reg.patch_step("engine_core"),
+            reg.STEP_DBO_YIELD_OP,
+            reg.STEP_MODELS,
+            reg.STEP_ASCEND_CONFIG,
+        ]
+        for name in always:
+            rec = steps.get(name)
+            if rec is None:
+                problems.append(f"step {name} did not run")
+            elif not rec.ok:
+                problems.append(f"step {name}: {rec.status.value}: {rec.reason}")
+        if device is not None and not any(c["usable_here"] for c in report["connectors"].values()):
+            problems.append(f"no connector is available for platform {device!r}")
+    report["problems"] = problems
+    report["ok"] = not problems
+    return report
+
+
+def render(report: dict) -> str:
+    lines = ["AFD doctor", ""]
+    lines.append(f"  python              {report['python']}")
+    lines.append(f"  torch               {report['torch'] or 'not installed'}")
+    vllm = report["vllm"]
+    dist = f" (distribution {report['vllm_distribution']})" if vllm else ""
+    lines.append(f"  vllm                {vllm or 'not installed'}{dist}")
+    sup = "yes" if report["vllm_supported"] else "NO"
+    lines.append(f"  supported vllm      {report['supported_vllm']} -> {sup}")
+    lines.append(f"  platform            {report['platform'] or 'unknown'}")
+    pk = ", ".join(f"{k} {v or '-'}" for k, v in report["afd_packages"].items())
+    lines.append(f"  afd packages        {pk}")
+    lines += ["", "Registration steps:"]
+    for name, (status, reason) in report["steps"].items():
+        lines.append(f"  {name:38s} {status}" + (f"  ({reason})" if reason else ""))
+    lines += ["", "Patches:"]
+    for name, p in report["patches"].items():
+        extra = f"  ({p['reason']})" if p["reason"] else ""
+        lines.append(f"  {name:38s} {p['status']}{extra}")
+        lines.append(f"      replaces: {', '.join(p['replaces'])}")
+    lines += ["", "AFD models:"]
+    lines += [f"  {m}" for m in report["models"]] or ["  (none registered)"]
+    lines += ["", "Connectors:"]
+    for name, c in report["connectors"].items():
+        here = "usable here" if c["usable_here"] else "not for this platform"
+        lines.append(f"  {name:12s} platforms: {', '.join(c['platforms'])}  ({here})")
+    lines.append("")
+    if report["ok"]:
+        lines.append("AFD can run here.")
+    else:
+        lines.append("AFD cannot run here:")
+        lines += [f"  - {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def main(args=None) -> int:
+    report = collect()
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

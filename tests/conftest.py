@@ -1,0 +1,38 @@
+"""Shared test helpers. Importing this needs neither torch nor vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_vllm = pytest.mark.skip(reason="vLLM is not installed in this environment (core lane)")
+    for item in items:
+        needs_vllm = item.get_closest_marker("vllm") or item.get_closest_marker("e2e")
+        if not HAVE_VLLM and needs_vllm:
+            item.add_marker(skip_vllm)
+
+
+def run_python(code: str, *, hide: tuple[str, ...] = (), env: dict | None = None, timeout=300):
+    """Run code in a fresh interpreter of this environment; hide= makes modules unimportable
+    (sys.modules[name] = None: `import` fails and importlib.util.find_spec returns None)."""
+    prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hide)
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO,
+    )
