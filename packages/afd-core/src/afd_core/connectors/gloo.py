@@ -1,0 +1,156 @@
+"""The CPU transport: torch.distributed gloo over TCP, in process groups of AFD's own.
+
+Rendezvous: a TCPStore hosted by FFN rank 0 at `host:port`. Each FFN rank k and its
+attention peers form one group (FFN rank at group rank 0) with two gloo process groups:
+`data` with the step timeout (a gloo timeout closes the pair, so it is fatal, as a lost
+peer mid-step is), and `control` with a very long one, because an FFN rank waits for the
+next step as long as its attention peers are idle. A dead peer closes its sockets, which
+fails a pending receive at once. vLLM's own process groups are never touched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from afd_core.connectors.p2p import PointToPointConnector
+from afd_core.connectors.transport import Transport, TransportError
+
+# An idle deployment may wait for days between steps; peer death is detected by the socket.
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+class GlooTransport(Transport):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        group: int,
+        group_rank: int,
+        group_size: int,
+        is_store_master: bool,
+        timeout_s: float,
+        connect_timeout_s: float,
+    ):
+        self.host, self.port = host, port
+        self.group, self.group_rank, self.group_size = group, group_rank, group_size
+        self.is_store_master = is_store_master
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._store = None
+        self._data = None
+        self._ctrl = None
+
+    def connect(self) -> None:
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + self.connect_timeout_s
+        try:
+            self._store = dist.TCPStore(
+                self.host,
+                self.port,
+                None,
+                self.is_store_master,
+                timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+        except Exception as exc:
+            what = "listen on" if self.is_store_master else "reach FFN rank 0's rendezvous at"
+            raise TransportError(
+                f"could not {what} {self.host}:{self.port} within {self.connect_timeout_s:.0f}s "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check afd.host/"
+                "afd.port and that the FFN server is started"
+            ) from None
+        prefix = f"afd/g{self.group}"
+        # Wait for the whole group in the store first: members start minutes apart (model
+        # loading), and a gloo group would apply its short step timeout to that wait.
+        arrived_key = f"{prefix}/arrived"
+        self._store.add(arrived_key, 1)
+        while (n := self._store.add(arrived_key, 0)) < self.group_size:
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"AFD group {self.group}: only {n} of {self.group_size} ranks joined the "
+                    f"rendezvous at {self.host}:{self.port} within {self.connect_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
+        try:
+            self._data = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix + "/data", self._store),
+                self.group_rank,
+                self.group_size,
+                datetime.timedelta(seconds=self.timeout_s),
+            )
+            self._ctrl = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix + "/ctrl", self._store),
+                self.group_rank,
+                self.group_size,
+                CONTROL_TIMEOUT,
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"AFD group {self.group} ({self.group_size} ranks) could not connect: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ) from None
+
+    def close(self) -> None:
+        self._data = self._ctrl = None
+        self._store = None
+
+    def store_set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def store_get(self, key: str, timeout_s: float) -> bytes:
+        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            return self._store.get(key)
+        except Exception as exc:
+            raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {exc}") from None
+
+    def _wait(self, work, what: str) -> None:
+        # the group's own timeout bounds the wait: timeout_s for data, CONTROL_TIMEOUT else
+        try:
+            work.wait()
+        except Exception as exc:
+            text = str(exc)
+            if "Connection closed by peer" in text or "Connection reset" in text:
+                reason = "the peer closed the connection (process exited or crashed)"
+            elif "Timed out" in text or "timeout" in text.lower():
+                reason = f"no answer within {self.timeout_s:.0f}s"
+            else:
+                reason = f"{type(exc).__name__}: {text.splitlines()[0][:300]}"
+            raise TransportError(f"{what}: {reason}") from None
+
+    def send(self, tensor, peer: int, tag: int) -> None:
+        self._wait(self._data.send([tensor], peer, tag), "send")
+
+    def recv(self, tensor, peer: int, tag: int) -> None:
+        self._wait(self._data.recv([tensor], peer, tag), "receive")
+
+    def send_control(self, tensor, peer: int) -> None:
+        self._wait(self._ctrl.send([tensor], peer, 0), "control send")
+
+    def recv_control(self, tensor, peer: int) -> None:
+        self._wait(self._ctrl.recv([tensor], peer, 0), "control receive")
+
+
+class GlooConnector(PointToPointConnector):
+    """Connector `gloo`: the point-to-point AFD protocol over GlooTransport (CPU tensors)."""
+
+    def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport:
+        extra = self.config.extra()
+        return GlooTransport(
+            self.config.host,
+            self.config.port,
+            group,
+            group_rank,
+            group_size,
+            is_store_master=self.config.is_ffn and self.role_rank == 0,
+            timeout_s=extra.timeout_s,
+            connect_timeout_s=extra.connect_timeout_s,
+        )
+
+    def check_tensor(self, tensor) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"connector 'gloo' moves CPU tensors only, got a tensor on {tensor.device}"
+            )
