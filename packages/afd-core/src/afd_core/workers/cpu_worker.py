@@ -1,0 +1,80 @@
+"""AFD workers for vLLM's CPU platform (torch.distributed gloo between the roles)."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.forward_context import set_forward_context
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from afd_core.workers.roles import (
+    AttentionRole,
+    FFNRole,
+    afd_architecture,
+    terminate_this_process,
+)
+from afd_core.workers.selection import assert_compatible_afd_stack
+
+logger = logging.getLogger(__name__)
+
+
+class AFDCPUAttentionWorker(CPUWorker):
+    """A normal CPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
+
+    def init_device(self):
+        assert_compatible_afd_stack(self.vllm_config, self)
+        super().init_device()
+
+    def load_model(self, *args, **kwargs) -> None:
+        with afd_architecture(self.model_config):
+            super().load_model(*args, **kwargs)
+        self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
+        self.afd.attach(self.model_runner.model)
+
+    def shutdown(self) -> None:
+        afd = getattr(self, "afd", None)
+        if afd is not None:
+            afd.close()
+        super().shutdown()
+
+
+class AFDCPUFFNWorker(CPUWorker):
+    """Holds only MLP/MoE weights and no KV cache; a thread serves the attention ranks."""
+
+    def init_device(self):
+        assert_compatible_afd_stack(self.vllm_config, self)
+        super().init_device()
+
+    def load_model(self, *args, **kwargs) -> None:
+        with afd_architecture(self.model_config):
+            super().load_model(*args, **kwargs)
+        self.afd = FFNRole(self.vllm_config, get_tensor_model_parallel_rank())
+        self.afd.attach(
+            self.model_runner.model, lambda: set_forward_context(None, self.vllm_config)
+        )
+        self.afd.start(on_fatal=terminate_this_process)
+
+    def get_kv_cache_spec(self):
+        return {}  # an attention-free engine: vLLM then allocates and schedules nothing
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        return None
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def execute_model(self, *args, **kwargs):
+        raise RuntimeError(
+            "AFD FFN worker: this server computes the FFN half for its attention servers and "
+            "runs no requests of its own; send requests to an attention server"
+        )
+
+    sample_tokens = execute_model
+
+    def shutdown(self) -> None:
+        afd = getattr(self, "afd", None)
+        if afd is not None:
+            afd.close()
+        super().shutdown()

@@ -1,0 +1,83 @@
+"""What every role-aware model shares: the role lookup, the FFN proxy, the weight filter.
+
+The attention role keeps embeddings, attention, norms and LM head and replaces each decoder
+layer's MLP/MoE with `RemoteFFN`; the FFN role keeps only the MLP/MoE modules and puts
+placeholders (vLLM's PPMissingLayer) everywhere else. Placeholders and proxies subclass
+PPMissingLayer, so vLLM's own weight loaders skip them, and since unbuilt modules own no
+parameters the loader's strict check still holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from vllm.model_executor.models.utils import PPMissingLayer
+
+from afd_core.config import AFDConfig, AFDConfigError, parse_optional_afd_config
+from afd_core.dbo import dbo_yield
+from afd_core.runtime import active_connector
+
+_LAYER_MLP = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
+
+
+def afd_config_of(vllm_config) -> AFDConfig:
+    """The AFD config of the vLLM config a model is built with; an AFD model needs one."""
+    cfg = parse_optional_afd_config(vllm_config.additional_config)
+    if cfg is None:
+        raise AFDConfigError(
+            "an AFD model class was selected but the vLLM config has no 'afd' key in "
+            "--additional-config; AFD<arch> models only run inside an AFD deployment",
+            "afd",
+        )
+    if cfg.compute_gate_on_attention:
+        raise AFDConfigError(
+            "afd config: compute_gate_on_attention=True is not supported by the model "
+            "wrappers of this release (the gate runs on the FFN side); allowed: false",
+            "compute_gate_on_attention",
+            True,
+        )
+    return cfg
+
+
+class RemoteFFN(PPMissingLayer):
+    """Attention side: a decoder layer's MLP/MoE, computed by the FFN ranks.
+
+    Sends the post-attention-norm hidden states, yields to the other micro-batch (DBO),
+    and receives the FFN output into the same buffer, which keeps addresses stable for
+    graph capture.
+    """
+
+    def __init__(self, exchange_index: int):
+        super().__init__()
+        self.exchange_index = exchange_index
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        conn = active_connector()
+        hidden_states = hidden_states.contiguous()
+        conn.send_attn_output(hidden_states, self.exchange_index)
+        dbo_yield(hidden_states)
+        return conn.recv_ffn_output(hidden_states, self.exchange_index)
+
+    def extra_repr(self) -> str:
+        return f"exchange_index={self.exchange_index}"
+
+
+def is_ffn_weight(name: str) -> bool:
+    """Checkpoint tensors of a decoder layer's MLP/MoE (gate, experts, shared experts)."""
+    return _LAYER_MLP.search(name) is not None
+
+
+def weight_wanted(role: str, name: str) -> bool:
+    """Which role loads a checkpoint tensor (gate on the FFN side)."""
+    return is_ffn_weight(name) if role == "ffn" else not is_ffn_weight(name)
+
+
+def filter_weights(
+    role: str, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One streaming pass: tensors of the other role are dropped unread by the loader."""
+    for name, tensor in weights:
+        if weight_wanted(role, name):
+            yield name, tensor

