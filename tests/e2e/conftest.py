@@ -1,0 +1,49 @@
+"""Shared fixtures for the end-to-end tests: one tiny checkpoint per architecture per session."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from pathlib import Path
+
+import pytest
+
+# attention backend each architecture needs in fp32 on CPU
+BACKENDS = {"deepseek_v2": "CPU_MLA", "qwen3_moe": None}
+PROMPTS = [
+    "The quick brown fox",
+    "Attention and the feed-forward network",
+    "Hello world, this is",
+    "Numbers 0 1 2 3",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """arch -> checkpoint dir, built on first use (AFD_CACHE_DIR reuses a cache if set)."""
+    from afd_models.tiny import TinySpec, tiny_checkpoint
+
+    cache = os.environ.get("AFD_TEST_CACHE_DIR")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = tiny_checkpoint(TinySpec(arch), cache_dir=root)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+def run_prompts(url: str, max_tokens: int = MAX_TOKENS):
+    """All prompts at once, so data-parallel attention ranks get work at the same time."""
+    from afd_plugin.launcher import complete
+
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: complete(url, p, max_tokens), PROMPTS))
