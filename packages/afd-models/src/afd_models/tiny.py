@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
 ARCH_CLASS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -49,6 +49,10 @@ class TinySpec:
     # A wide init spreads the logits: greedy decoding then has no near-ties that float
     # rounding (a different batch composition) could flip.
     initializer_range: float = 0.05
+    # Random weights give almost flat next-token distributions, where the batch composition
+    # (float rounding) can flip a greedy choice. A larger LM head makes them peaked, so
+    # greedy tokens are a stable, exact comparison between deployments.
+    logit_scale: float = 10.0
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -163,6 +167,8 @@ def build(spec: TinySpec, out_dir: Path) -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = model_cls(config).to(torch.float32)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(spec.logit_scale)
         if spec.arch == "deepseek_v3":  # a non-zero bias exercises noaux_tc routing
             for layer in model.model.layers:
                 gate = getattr(layer.mlp, "gate", None)
