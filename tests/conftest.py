@@ -36,3 +36,20 @@ def run_python(code: str, *, hide: tuple[str, ...] = (), env: dict | None = None
         timeout=timeout,
         cwd=REPO,
     )
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """arch -> checkpoint dir, built on first use (AFD_CACHE_DIR reuses a cache if set)."""
+    from afd_models.tiny import TinySpec, tiny_checkpoint
+
+    cache = os.environ.get("AFD_TEST_CACHE_DIR")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = tiny_checkpoint(TinySpec(arch), cache_dir=root)
+        return built[arch]
+
+    return get

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,23 +15,6 @@ PROMPTS = [
     "Numbers 0 1 2 3",
 ]
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """arch -> checkpoint dir, built on first use (AFD_CACHE_DIR reuses a cache if set)."""
-    from afd_models.tiny import TinySpec, tiny_checkpoint
-
-    cache = os.environ.get("AFD_TEST_CACHE_DIR")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
-    built: dict[str, Path] = {}
-
-    def get(arch: str) -> Path:
-        if arch not in built:
-            built[arch] = tiny_checkpoint(TinySpec(arch), cache_dir=root)
-        return built[arch]
-
-    return get
 
 
 @pytest.fixture(scope="session")

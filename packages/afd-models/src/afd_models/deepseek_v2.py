@@ -31,7 +31,8 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from afd_models.role import RemoteFFN, afd_config_of, filter_weights, weight_wanted
+from afd_models.role import RemoteFFN, afd_config_of
+from afd_models.weights import filter_weights, weight_wanted
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:

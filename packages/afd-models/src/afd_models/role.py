@@ -9,17 +9,12 @@ parameters the loader's strict check still holds.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
-
 import torch
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from afd_core.config import AFDConfig, AFDConfigError, parse_optional_afd_config
 from afd_core.dbo import dbo_yield
 from afd_core.runtime import active_connector
-
-_LAYER_MLP = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
 
 
 def afd_config_of(vllm_config) -> AFDConfig:
@@ -62,22 +57,3 @@ class RemoteFFN(PPMissingLayer):
 
     def extra_repr(self) -> str:
         return f"exchange_index={self.exchange_index}"
-
-
-def is_ffn_weight(name: str) -> bool:
-    """Checkpoint tensors of a decoder layer's MLP/MoE (gate, experts, shared experts)."""
-    return _LAYER_MLP.search(name) is not None
-
-
-def weight_wanted(role: str, name: str) -> bool:
-    """Which role loads a checkpoint tensor (gate on the FFN side)."""
-    return is_ffn_weight(name) if role == "ffn" else not is_ffn_weight(name)
-
-
-def filter_weights(
-    role: str, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """One streaming pass: tensors of the other role are dropped unread by the loader."""
-    for name, tensor in weights:
-        if weight_wanted(role, name):
-            yield name, tensor

@@ -13,6 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="check whether AFD can run here, and why not")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    from afd_plugin.demo import add_arguments
+
+    demo = sub.add_parser("demo", help="run an AFD deployment on this machine (CPU)")
+    add_arguments(demo)
     return parser
 
 
@@ -22,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.doctor import main as doctor_main
 
         return doctor_main(args)
+    if args.command == "demo":
+        from afd_plugin.demo import main as demo_main
+
+        return demo_main(args)
     return 2
 
 

@@ -192,8 +192,8 @@ def wait_all_healthy(
                 + pending[0].log_tail()
             )
         elapsed = int(time.monotonic() - t0)
-        if progress and elapsed // 5 != last:
-            last = elapsed // 5
+        if progress and elapsed // 10 != last:
+            last = elapsed // 10
             progress(f"waiting for {', '.join(s.spec.name for s in pending)} ({elapsed}s)")
         time.sleep(0.5)
 
