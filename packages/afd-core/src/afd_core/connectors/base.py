@@ -89,7 +89,8 @@ class AFDConnector(ABC):
         """Block until every attention peer announced its next step (or left)."""
 
     @abstractmethod
-    def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch: ...
+    def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch:
+        """The peers' rows; the tensor is reused by this micro-batch's next receive."""
 
     @abstractmethod
     def send_ffn_output(self, output: torch.Tensor, layer: int, microbatch: int = 0) -> None: ...

@@ -59,6 +59,9 @@ class PointToPointConnector(AFDConnector):
         self._rows: list[tuple[int, ...]] = []
         self._active_peers: list[bool] = [True] * len(self.peers)
         self._pending: dict[int, tuple[int, ...]] = {}  # micro-batch -> rows of the last recv
+        # FFN side: one receive buffer per micro-batch, reused layer after layer (a fresh
+        # large tensor per layer costs an mmap and page faults each time)
+        self._recv_buffers: dict[int, object] = {}
 
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
@@ -303,8 +306,7 @@ class PointToPointConnector(AFDConnector):
         t = self._require("ffn")
         rows = self._rows[microbatch]
         total = sum(rows)
-        dtype = getattr(torch, self.wire.dtype)
-        hidden = torch.empty(total, self.wire.hidden_size, dtype=dtype)
+        hidden = self._recv_buffer(microbatch, total)
         logits = (
             torch.empty(total, self.wire.router_width, dtype=torch.float32)
             if self.wire.router_width
@@ -325,6 +327,19 @@ class PointToPointConnector(AFDConnector):
                 ) from None
             off += n
         return FFNBatch(hidden, logits, rows)
+
+    def _recv_buffer(self, microbatch: int, rows: int):
+        """Rows [0, rows) of this micro-batch's buffer; valid until its next receive."""
+        import torch
+
+        buf = self._recv_buffers.get(microbatch)
+        if buf is None or buf.shape[0] < rows:
+            capacity = max(rows, 1 if buf is None else 2 * buf.shape[0])
+            buf = torch.empty(
+                capacity, self.wire.hidden_size, dtype=getattr(torch, self.wire.dtype)
+            )
+            self._recv_buffers[microbatch] = buf
+        return buf[:rows]
 
     def send_ffn_output(self, output, layer, microbatch=0) -> None:
         t = self._require("ffn")
