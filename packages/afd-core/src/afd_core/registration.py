@@ -22,6 +22,9 @@ class StepStatus(enum.Enum):
     FAILED = "failed"
     NOT_IMPLEMENTED = "not implemented"
     SKIPPED = "skipped"  # not needed on this platform (e.g. the Ascend patch on CPU)
+    # registered to happen when vLLM imports the module it touches (see import_hooks);
+    # a process that never imports it never needs it
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class StepRecord:
 
     @property
     def ok(self) -> bool:
-        return self.status in (StepStatus.APPLIED, StepStatus.SKIPPED)
+        return self.status in (StepStatus.APPLIED, StepStatus.SKIPPED, StepStatus.DEFERRED)
 
 
 # Names of the registration steps; the patch steps are "patch:<module>".

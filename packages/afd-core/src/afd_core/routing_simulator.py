@@ -118,18 +118,33 @@ def make_strategy():
     return AFDBalancedRouting()
 
 
-def register_afd_balanced_routing_strategy() -> None:
-    """Register `afd_balanced` with vLLM's RoutingSimulator (idempotent)."""
-    from vllm.model_executor.layers.fused_moe.router.routing_simulator_router import (
-        RoutingSimulator,
-    )
+ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.routing_simulator_router"
 
-    if STRATEGY_NAME in RoutingSimulator.get_available_strategies():
+
+def _register(module) -> None:
+    simulator = module.RoutingSimulator
+    if STRATEGY_NAME in simulator.get_available_strategies():
         return
-    RoutingSimulator.register_strategy(STRATEGY_NAME, make_strategy())
+    simulator.register_strategy(STRATEGY_NAME, make_strategy())
+    from afd_core.registration import STEP_ROUTING_STRATEGY, StepStatus, record
+
+    record(STEP_ROUTING_STRATEGY, StepStatus.APPLIED)
     if envs.balanced_routing_requested():
+        envs.force_lb_topn_per_rank()  # a malformed value fails here, before any forward
         logger.warning(
             "%s=afd_balanced: MoE routing is replaced by a deterministic balanced pattern; "
             "use it for benchmarks only, model output will be wrong",
             envs.VLLM_MOE_ROUTING_SIMULATION_STRATEGY,
         )
+
+
+def register_afd_balanced_routing_strategy() -> bool:
+    """Register `afd_balanced` with vLLM's RoutingSimulator (idempotent).
+
+    True if registered now; False if deferred until vLLM imports its MoE router (the
+    fused-MoE stack costs ~0.4 s to import, and only processes that build MoE layers
+    import it, before they build them).
+    """
+    from afd_core.patches.import_hooks import when_imported
+
+    return when_imported(ROUTER_MODULE, _register)

@@ -90,8 +90,14 @@ def register_afd() -> None:
     # Not wrapped: a broken routing registration is a bug that must surface.
     from afd_core.routing_simulator import register_afd_balanced_routing_strategy
 
-    register_afd_balanced_routing_strategy()
-    reg.record(reg.STEP_ROUTING_STRATEGY, reg.StepStatus.APPLIED)
+    if register_afd_balanced_routing_strategy():
+        reg.record(reg.STEP_ROUTING_STRATEGY, reg.StepStatus.APPLIED)
+    else:
+        reg.record(
+            reg.STEP_ROUTING_STRATEGY,
+            reg.StepStatus.DEFERRED,
+            "registered when vLLM imports its MoE router",
+        )
 
     try:
         from afd_core.dbo import register_dbo_yield_custom_op

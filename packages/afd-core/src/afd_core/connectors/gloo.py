@@ -64,15 +64,7 @@ class GlooTransport(Transport):
         prefix = f"afd/g{self.group}"
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
-        arrived_key = f"{prefix}/arrived"
-        self._store.add(arrived_key, 1)
-        while (n := self._store.add(arrived_key, 0)) < self.group_size:
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"AFD group {self.group}: only {n} of {self.group_size} ranks joined the "
-                    f"rendezvous at {self.host}:{self.port} within {self.connect_timeout_s:.0f}s"
-                )
-            time.sleep(0.05)
+        self.barrier(f"{prefix}/arrived", self.group_size, deadline - time.monotonic())
         try:
             self._data = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/data", self._store),
@@ -91,6 +83,17 @@ class GlooTransport(Transport):
                 f"AFD group {self.group} ({self.group_size} ranks) could not connect: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
+
+    def barrier(self, key: str, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        self._store.add(key, 1)
+        while (n := self._store.add(key, 0)) < count:
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"only {n} of {count} AFD ranks reached {key!r} at the rendezvous "
+                    f"{self.host}:{self.port} within {timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
 
     def close(self) -> None:
         self._data = self._ctrl = None

@@ -95,6 +95,13 @@ class PointToPointConnector(AFDConnector):
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         self._transport = transport
         self._handshake(extra.connect_timeout_s)
+        # The rendezvous store lives in FFN rank 0's process: nobody may leave start-up
+        # (and FFN rank 0 may not stop) before every group of the deployment is connected.
+        try:
+            transport.barrier("afd/ready", self.topology.world_size, extra.connect_timeout_s)
+        except TransportError as exc:
+            self._transport = None
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
         logger.info(
             "AFD %s connected: group %d, peers %s, %s",
             self._me(),

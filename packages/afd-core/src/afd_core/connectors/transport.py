@@ -32,6 +32,10 @@ class Transport(ABC):
     def store_get(self, key: str, timeout_s: float) -> bytes: ...
 
     @abstractmethod
+    def barrier(self, key: str, count: int, timeout_s: float) -> None:
+        """Wait until `count` ranks of the deployment reached `key` in the rendezvous store."""
+
+    @abstractmethod
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
 
     @abstractmethod

@@ -40,14 +40,18 @@ def _is_ffn_engine(engine) -> bool:
     return cached
 
 
-def apply() -> tuple[StepStatus, str]:
-    require_supported_vllm(INFO.name)
+ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+
+
+def _patch(module) -> None:
     from http import HTTPStatus
 
     from vllm.exceptions import GracefulHTTPError
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    original = AsyncLLM.check_admission
+    from afd_core.registration import patch_step, record
+
+    async_llm = module.AsyncLLM
+    original = async_llm.check_admission
 
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         if _is_ffn_engine(self):
@@ -55,5 +59,19 @@ def apply() -> tuple[StepStatus, str]:
         return original(self, n, request_id)
 
     check_admission.__afd_patch__ = INFO.name
-    replace_attr(AsyncLLM, "check_admission", check_admission)
-    return StepStatus.APPLIED, ""
+    try:
+        replace_attr(async_llm, "check_admission", check_admission)
+    except Exception as exc:
+        record(patch_step(INFO.name), StepStatus.FAILED, f"{type(exc).__name__}: {exc}")
+        raise
+    record(patch_step(INFO.name), StepStatus.APPLIED, "")
+
+
+def apply() -> tuple[StepStatus, str]:
+    require_supported_vllm(INFO.name)
+    from afd_core.patches.import_hooks import when_imported
+
+    if when_imported(ASYNC_LLM_MODULE, _patch):
+        return StepStatus.APPLIED, ""
+    # AsyncLLM costs ~1.5 s to import; only API-server processes import (and need) it
+    return StepStatus.DEFERRED, f"applied when {ASYNC_LLM_MODULE} is imported"
