@@ -44,7 +44,9 @@ def main():
 
         strategy.route_tokens = route_tokens
     llm = LLM(model=ckpt, dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
-    out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0, logprobs=0))
+    out = llm.generate(
+        ["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    )
     o = out[0].outputs[0]
     logprobs = [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
     print(json.dumps({"calls": calls, "tokens": list(o.token_ids), "logprobs": logprobs}))

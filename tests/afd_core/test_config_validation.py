@@ -1,0 +1,99 @@
+"""The config_validation and engine_core patches inside vLLM's real config building."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine_config(checkpoints):
+    import afd_plugin
+
+    afd_plugin.register_afd()
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = str(checkpoints("qwen3_moe"))
+
+    def build(afd=None, **kw):
+        kw.setdefault("enforce_eager", True)
+        extra = {"additional_config": {"afd": afd}} if afd is not None else {}
+        return EngineArgs(model=model, max_model_len=128, **extra, **kw).create_engine_config()
+
+    return build
+
+
+def test_auto_worker_becomes_the_role_worker(engine_config):
+    att = engine_config({"role": "attention"})
+    assert att.parallel_config.worker_cls == "afd_core.workers.cpu_worker.AFDCPUAttentionWorker"
+    ffn = engine_config({"role": "ffn"})
+    assert ffn.parallel_config.worker_cls == "afd_core.workers.cpu_worker.AFDCPUFFNWorker"
+    assert ffn.cache_config.enable_prefix_caching is False  # an FFN engine has no KV cache
+
+
+def test_no_afd_key_changes_nothing(engine_config):
+    assert engine_config().parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+
+
+def test_explicit_matching_worker_is_kept(engine_config):
+    cls = "afd_core.workers.cpu_worker.AFDCPUFFNWorker"
+    assert engine_config({"role": "ffn"}, worker_cls=cls).parallel_config.worker_cls == cls
+
+
+def test_explicit_mismatching_worker_names_both(engine_config):
+    with pytest.raises(
+        Exception,
+        match=r"vllm.v1.worker.cpu_worker.CPUWorker.*does not match AFD role 'ffn'.*AFDCPUFFNWorker",
+    ):
+        engine_config({"role": "ffn"}, worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")
+
+
+@pytest.mark.parametrize(
+    "afd,kw,match",
+    [
+        ({"role": "attention", "port": 0}, {}, r"port=0 is invalid"),
+        (
+            {"role": "attention", "num_attention_ranks": 2},
+            {},
+            r"num_attention_ranks=2, but this attention server runs 1 workers",
+        ),
+        (
+            {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2},
+            {},
+            r"num_ffn_ranks=2, but this FFN server runs 1 workers",
+        ),
+        ({"role": "attention"}, {"enforce_eager": False}, r"add --enforce-eager"),
+        (
+            {"role": "attention", "compute_gate_on_attention": True},
+            {},
+            r"compute_gate_on_attention=True is not supported",
+        ),
+    ],
+)
+def test_bad_deployments_fail_at_config_time(engine_config, afd, kw, match):
+    with pytest.raises(Exception, match=match):
+        engine_config(afd, **kw)
+
+
+def test_ffn_engine_rejects_requests():
+    import afd_plugin
+
+    afd_plugin.register_afd()
+    from vllm.exceptions import GracefulHTTPError
+    from vllm.v1.engine.async_llm import AsyncLLM  # importing applies the deferred patch
+
+    from afd_core import registration as reg
+    from afd_core.patches.catalogue import is_patched, original
+
+    assert is_patched(AsyncLLM, "check_admission")
+    assert reg.records()["patch:engine_core"].status is reg.StepStatus.APPLIED
+    assert original(AsyncLLM, "check_admission") is not AsyncLLM.check_admission
+
+    class Fake:
+        def __init__(self, afd):
+            self.vllm_config = type("C", (), {"additional_config": afd})()
+
+    with pytest.raises(GracefulHTTPError, match="AFD FFN server") as e:
+        AsyncLLM.check_admission(Fake({"afd": {"role": "ffn"}}))
+    assert e.value.http_status == 400

@@ -1,0 +1,38 @@
+import sys
+import types
+
+from afd_core.patches.import_hooks import pending, when_imported
+
+
+def test_runs_now_when_already_imported():
+    seen = []
+    assert when_imported("json", lambda m: seen.append(m.__name__)) is True
+    assert seen == ["json"]
+
+
+def test_runs_right_after_a_later_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "afd_hook_probe_mod.py"
+    pkg.write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def bump(module):
+        seen.append(module.VALUE)
+        module.VALUE += 1
+
+    assert when_imported("afd_hook_probe_mod", bump) is False
+    assert "afd_hook_probe_mod" in pending()
+    import afd_hook_probe_mod  # noqa: F401 - the import under test
+
+    assert seen == [41] and sys.modules["afd_hook_probe_mod"].VALUE == 42
+    assert "afd_hook_probe_mod" not in pending()
+    sys.modules.pop("afd_hook_probe_mod", None)
+
+
+def test_unrelated_imports_are_untouched():
+    mod = types.ModuleType("x")
+    assert when_imported("afd_never_imported_module", lambda m: None) is False
+    import email.mime.text  # noqa: F401
+
+    assert "afd_never_imported_module" in pending()
+    del mod
