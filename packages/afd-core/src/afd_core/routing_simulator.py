@@ -14,13 +14,13 @@ Weights are uniform, 1/top_k.
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from afd_core import envs
+from afd_core.log import get_logger
 
 STRATEGY_NAME = "afd_balanced"
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def expert_cycle(num_experts: int, ep_size: int, topn_per_rank: int, top_k: int) -> list[int]:

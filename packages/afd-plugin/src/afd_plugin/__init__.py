@@ -14,7 +14,7 @@ from typing import Any
 
 from afd_plugin.spawn import force_spawn_multiprocessing_if_requested
 
-_logger = logging.getLogger("afd_plugin")
+_logger = logging.getLogger("vllm.afd_plugin")
 _registered = False
 
 _LAZY = {

@@ -12,7 +12,6 @@ layer instead of silently mixed-up data.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from abc import abstractmethod
 
@@ -27,9 +26,10 @@ from afd_core.connectors.control import (
     decode,
 )
 from afd_core.connectors.transport import Transport, TransportError
+from afd_core.log import get_logger
 from afd_core.topology import Topology
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 KIND_HIDDEN, KIND_LOGITS = 0, 1
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.worker_base import CompilationTimes
 
+from afd_core.log import get_logger
 from afd_core.workers.roles import (
     AttentionRole,
     FFNRole,
@@ -17,7 +16,7 @@ from afd_core.workers.roles import (
 )
 from afd_core.workers.selection import assert_compatible_afd_stack
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class AFDCPUAttentionWorker(CPUWorker):

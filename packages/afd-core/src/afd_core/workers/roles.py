@@ -10,7 +10,6 @@ then per layer and micro-batch receive, compute, send, in protocol order.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import threading
@@ -20,10 +19,11 @@ from collections.abc import Callable, Iterator
 from afd_core.config import AFDConfig, parse_optional_afd_config
 from afd_core.connectors.base import AFDConnector, AFDPeerError, WireSpec
 from afd_core.connectors.factory import build_connector
+from afd_core.log import get_logger
 from afd_core.registration import assert_steps_ok_for
 from afd_core.runtime import install_connector
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def afd_config(vllm_config) -> AFDConfig:
