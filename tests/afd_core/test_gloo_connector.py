@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make(role, rank, a, f, port, timeout=20.0, hidden=HIDDEN, dtype="float32"):
+def make(role, rank, a, f, port, timeout=20.0, hidden=HIDDEN, dtype="float32", router_width=0):
     from afd_core.config import parse_afd_config
     from afd_core.connectors.base import WireSpec
     from afd_core.connectors.factory import build_connector
@@ -36,7 +36,8 @@ def make(role, rank, a, f, port, timeout=20.0, hidden=HIDDEN, dtype="float32"):
         },
         device_type="cpu",
     )
-    return build_connector(cfg, rank, WireSpec(hidden, dtype, LAYERS, max_tokens=64))
+    wire = WireSpec(hidden, dtype, LAYERS, max_tokens=64, router_width=router_width)
+    return build_connector(cfg, rank, wire)
 
 
 def ffn_main(rank, a, f, port, steps, q):
@@ -257,3 +258,49 @@ def test_announced_rows_must_match():
     conn = make("attention", 0, 1, 1, free_port())
     with pytest.raises(AFDPeerError, match="not initialized"):
         conn.send_control((1,))
+
+
+def gate_ffn(port, q):
+    try:
+        conn = make("ffn", 0, 1, 1, port, router_width=4)
+        conn.init()
+        conn.recv_control()
+        b = conn.recv_attn_output(0)
+        assert b.router_logits is not None and b.router_logits.shape == (3, 4)
+        conn.send_ffn_output(b.hidden_states + b.router_logits.sum(dim=1, keepdim=True), 0)
+        conn.recv_control()  # the goodbye
+        conn.close()
+        q.put(("ffn", "ok"))
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def gate_attn(port, q):
+    import torch
+
+    try:
+        conn = make("attention", 0, 1, 1, port, router_width=4)
+        conn.init()
+        conn.send_control((3,))
+        h = torch.ones(3, HIDDEN)
+        logits = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        conn.send_attn_output(h, 0, router_logits=logits)
+        conn.recv_ffn_output(h, 0)
+        assert torch.equal(h[:, 0], torch.tensor([7.0, 23.0, 39.0]))  # 1 + row sums
+        conn.close()
+        q.put(("attention", "ok"))
+    except Exception:
+        q.put(("attention", "ERROR " + traceback.format_exc()))
+
+
+def test_router_logits_travel_with_the_rows_when_the_gate_runs_on_attention():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=t, args=(port, q)) for t in (gate_ffn, gate_attn)]
+    for p in procs:
+        p.start()
+    out = dict(q.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert out == {"ffn": "ok", "attention": "ok"}, out

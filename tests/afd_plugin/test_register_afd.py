@@ -226,3 +226,12 @@ def test_version_never_raises():
 def test_lazy_attributes():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         afd_plugin.nope  # noqa: B018
+
+
+@vllm_only
+def test_lazy_worker_classes_and_stack_check():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert issubclass(afd_plugin.AFDAttentionWorker, CPUWorker)
+    assert issubclass(afd_plugin.AFDFFNWorker, CPUWorker)
+    assert callable(afd_plugin.assert_compatible_afd_stack)

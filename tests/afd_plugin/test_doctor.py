@@ -1,0 +1,70 @@
+"""`afd doctor`, run the README's way (the console script), with and without vLLM."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_python
+
+
+def afd_exe() -> str:
+    exe = shutil.which("afd", path=str(Path(sys.executable).parent))
+    assert exe, "the afd console script is not installed"
+    return exe
+
+
+@pytest.mark.vllm
+def test_doctor_reports_vllm_cpu_and_passes():
+    r = subprocess.run([afd_exe(), "doctor"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "vllm                0.32.0 (distribution vllm-cpu)" in out
+    assert "supported vllm      0.32.0 -> yes" in out
+    assert "platform            cpu" in out
+    assert "patch:config_validation                applied" in out
+    for name in ("async_dp_engine", "engine_core", "replaces: vllm.platforms.cpu.CpuPlatform"):
+        assert name in out
+    assert "AFDDeepseekV2ForCausalLM" in out and "AFDQwen3MoeForCausalLM" in out
+    assert "gloo         platforms: cpu  (usable here)" in out
+    assert out.rstrip().endswith("AFD can run here.")
+
+
+@pytest.mark.vllm
+def test_doctor_json():
+    r = subprocess.run([afd_exe(), "doctor", "--json"], capture_output=True, text=True, timeout=300)
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["ok"] is True
+    assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
+    assert report["patches"]["async_dp_engine"]["status"] == "not implemented"
+    assert len(report["models"]) == 8
+
+
+def test_doctor_without_vllm_fails_with_the_reason():
+    r = run_python(
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "def version(n):\n"
+        "    if n in ('vllm', 'vllm-cpu'): raise m.PackageNotFoundError(n)\n"
+        "    return real(n)\n"
+        "m.version = version\n"
+        "import sys; from afd_plugin.cli import main; sys.exit(main(['doctor']))",
+        hide=("vllm",),
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "vllm                not installed" in r.stdout
+    assert "vLLM is not installed: install afd-plugin[cpu], [cuda] or [npu]" in r.stdout
+
+
+def test_demo_rejects_bad_options():
+    for args, needle in (
+        (["--shape", "2A2F"], "only one FFN rank"),
+        (["--shape", "x"], "expected <A>A<F>F"),
+        (["--max-tokens", "0"], "allowed 1 or more"),
+    ):
+        r = subprocess.run([afd_exe(), "demo", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
