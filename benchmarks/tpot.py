@@ -27,7 +27,7 @@ PROMPTS = [
 def main() -> int:
     from afd_models.tiny import TinySpec, tiny_checkpoint
     from afd_plugin.demo import BACKENDS, _shape
-    from afd_plugin.launcher import Server, ServerSpec, complete, free_port, running
+    from afd_plugin.launcher import complete, local_deployment, running
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="deepseek_v2", choices=sorted(BACKENDS))
@@ -38,37 +38,12 @@ def main() -> int:
     n_att, _ = a.shape
     model = str(tiny_checkpoint(TinySpec(a.arch)))
     logs = Path(tempfile.mkdtemp(prefix="afd-tpot-"))
-    backend = BACKENDS[a.arch]
-    one = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    afd = {"port": free_port(), "num_attention_ranks": n_att}
-    colo = Server(
-        ServerSpec("colocated", model, free_port(), attention_backend=backend, env=one), logs
+    servers = local_deployment(
+        model, logs, attention_ranks=n_att, attention_backend=BACKENDS[a.arch], baseline=True
     )
-    ffn = Server(
-        ServerSpec(
-            "ffn",
-            model,
-            free_port(),
-            afd={**afd, "role": "ffn"},
-            attention_backend=backend,
-            env=one,
-        ),
-        logs,
-    )
-    att = Server(
-        ServerSpec(
-            "attention",
-            model,
-            free_port(),
-            afd={**afd, "role": "attention"},
-            attention_backend=backend,
-            data_parallel_size=n_att,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if n_att == 2 else one,
-        ),
-        logs,
-    )
+    colo, att = servers["colocated"], servers["attention"]
     per = {"colocated": [], "afd": []}
-    with running([colo, ffn, att]):
+    with running(list(servers.values())):
         for url in (colo.url, att.url):  # warm-up
             complete(url, "warm up", 8)
         for _ in range(a.reps):

@@ -39,8 +39,9 @@ def main():
 
     import afd_models.deepseek_v2 as ds
     import afd_models.qwen3_moe as qw
+    import afd_models.role as role_mod
 
-    ds.filter_weights = qw.filter_weights = recording
+    role_mod.filter_weights = recording
     at_load = {}
     for cls in (ds.AFDDeepseekV2ForCausalLM, qw.AFDQwen3MoeForCausalLM):
 

@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from afd_plugin.launcher import Server, ServerError, ServerSpec, complete, free_port
+from afd_plugin.launcher import (
+    Server,
+    ServerError,
+    ServerSpec,
+    complete,
+    free_port,
+    local_deployment,
+)
 from tests.e2e.conftest import BACKENDS
 
 pytestmark = pytest.mark.e2e
@@ -44,33 +51,17 @@ def test_bad_afd_config_exits_nonzero_naming_the_field(afd, needle, checkpoints,
 def test_dead_ffn_fails_the_request_and_names_the_peer(checkpoints, log_dir):
     arch = "qwen3_moe"
     model = str(checkpoints(arch))
-    port = free_port()
     timeout_s = 20
-    afd = {"port": port, "connector_extra_config": {"timeout_s": timeout_s}}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    ffn = Server(
-        ServerSpec(
-            "dead-ffn",
-            model,
-            free_port(),
-            afd={**afd, "role": "ffn"},
-            attention_backend=BACKENDS[arch],
-            env=env,
-        ),
+    d = local_deployment(
+        model,
         log_dir,
+        attention_backend=BACKENDS[arch],
+        tag="dead-",
+        afd_extra={"connector_extra_config": {"timeout_s": timeout_s}},
     )
-    att = Server(
-        ServerSpec(
-            "dead-ffn-attention",
-            model,
-            free_port(),
-            afd={**afd, "role": "attention"},
-            max_model_len=1024,
-            attention_backend=BACKENDS[arch],
-            env=env,
-        ),
-        log_dir,
-    )
+    ffn, att = d["ffn"], d["attention"]
+    for server in (ffn, att):
+        server.spec.max_model_len = 1024  # room for a long generation to kill the FFN in
     from afd_plugin.launcher import wait_all_healthy
 
     try:

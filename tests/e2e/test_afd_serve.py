@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from afd_plugin.launcher import Server, ServerSpec, free_port, running
+from afd_plugin.launcher import (
+    SHARED_CORES,
+    Server,
+    ServerSpec,
+    free_port,
+    local_deployment,
+    running,
+)
 from tests.e2e.conftest import BACKENDS, MAX_TOKENS, PROMPTS, run_prompts
 
 pytestmark = pytest.mark.e2e
@@ -16,41 +23,22 @@ pytestmark = pytest.mark.e2e
 _REFERENCE: dict[str, list] = {}
 
 
-def afd_pair(model, arch, log_dir, tag, dp=1, extra=None):
-    port = free_port()
-    afd = {"port": port, "num_attention_ranks": dp, "num_ffn_ranks": 1, **(extra or {})}
-    one_core = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    ffn = ServerSpec(
-        f"{arch}-{tag}-ffn",
-        model,
-        free_port(),
-        afd={**afd, "role": "ffn"},
-        attention_backend=BACKENDS[arch],
-        env=one_core,
+def afd_pair(model, arch, log_dir, tag, dp=1):
+    d = local_deployment(
+        model, log_dir, attention_ranks=dp, attention_backend=BACKENDS[arch], tag=f"{arch}-{tag}-"
     )
-    att = ServerSpec(
-        f"{arch}-{tag}-attention",
-        model,
-        free_port(),
-        afd={**afd, "role": "attention"},
-        attention_backend=BACKENDS[arch],
-        data_parallel_size=dp,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if dp == 2 else one_core,
-    )
-    return Server(ffn, log_dir), Server(att, log_dir)
+    return d["ffn"], d["attention"]
 
 
 def colocated_server(model, arch, log_dir):
-    return Server(
-        ServerSpec(
-            f"{arch}-colocated",
-            model,
-            free_port(),
-            attention_backend=BACKENDS[arch],
-            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
-        ),
-        log_dir,
+    spec = ServerSpec(
+        f"{arch}-colocated",
+        model,
+        free_port(),
+        attention_backend=BACKENDS[arch],
+        env=SHARED_CORES,
     )
+    return Server(spec, log_dir)
 
 
 def assert_same(reference, afd):

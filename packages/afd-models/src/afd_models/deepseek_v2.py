@@ -10,7 +10,6 @@ context and allocate their weights); the arguments are vLLM's own.
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,8 +30,7 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from afd_models.role import RemoteFFN, afd_config_of
-from afd_models.weights import filter_weights, weight_wanted
+from afd_models.role import AFDRoleModel, afd_config_of, attention_side, ffn_side
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -100,13 +98,9 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
                 reduce_results=True,
                 **attn_kwargs,
             )
-            self.mlp = RemoteFFN(layer_idx)
-            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            attention_side(self, layer_idx, config)
         else:
-            self.self_attn = PPMissingLayer()
-            self.input_layernorm = PPMissingLayer()
-            self.post_attention_layernorm = PPMissingLayer()
+            ffn_side(self)
             if is_moe_layer:
                 from vllm._aiter_ops import rocm_aiter_ops
 
@@ -193,7 +187,7 @@ class AFDDeepseekV2Model(native.DeepseekV2Model):
         self.num_redundant_experts = vllm_config.parallel_config.eplb_config.num_redundant_experts
 
 
-class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
+class AFDDeepseekV2ForCausalLM(AFDRoleModel, native.DeepseekV2ForCausalLM):
     # vLLM's __init__ adds entries to the class-level dict; keep ours separate
     packed_modules_mapping = dict(native.DeepseekV2ForCausalLM.packed_modules_mapping)
     model_cls = AFDDeepseekV2Model
@@ -227,21 +221,8 @@ class AFDDeepseekV2ForCausalLM(native.DeepseekV2ForCausalLM):
         self.num_moe_layers = config.num_hidden_layers - config.first_k_dense_replace
         self.set_moe_parameters()
 
-    # -- FFN role ---------------------------------------------------------------------------
-    def ffn_layer_indices(self) -> list[int]:
-        """Layers whose MLP/MoE is exchanged each step, in protocol order."""
-        return list(range(self.model.start_layer, self.model.end_layer))
-
     def compute_ffn_output(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Run one layer's MLP/MoE (inside a forward context set by the caller)."""
         return self.model.layers[layer_idx].compute_ffn_output(hidden_states)
-
-    # -- weights ----------------------------------------------------------------------------
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        return not weight_wanted(self.afd.role, name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(filter_weights(self.afd.role, weights))
 
 
 class AFDDeepseekForCausalLM(AFDDeepseekV2ForCausalLM):

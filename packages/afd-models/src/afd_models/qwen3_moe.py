@@ -5,9 +5,6 @@ As for DeepSeek, the decoder layer's forward is vLLM's; only construction is per
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
@@ -26,8 +23,7 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from afd_models.role import RemoteFFN, afd_config_of
-from afd_models.weights import filter_weights, weight_wanted
+from afd_models.role import AFDRoleModel, afd_config_of, attention_side, ffn_side
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -69,13 +65,9 @@ class AFDQwen3MoeDecoderLayer(native.Qwen3MoeDecoderLayer):
                 dual_chunk_attention_config=getattr(config, "dual_chunk_attention_config", None),
                 mrope_positions_factor=mrope_positions_factor,
             )
-            self.mlp = RemoteFFN(layer_idx)
-            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            attention_side(self, layer_idx, config)
         else:
-            self.self_attn = PPMissingLayer()
-            self.input_layernorm = PPMissingLayer()
-            self.post_attention_layernorm = PPMissingLayer()
+            ffn_side(self)
             if _is_moe_layer(config, layer_idx):
                 self.mlp = native.Qwen3MoeSparseMoeBlock(
                     vllm_config=vllm_config,
@@ -123,7 +115,7 @@ class AFDQwen3MoeModel(native.Qwen3MoeModel):
         )
 
 
-class AFDQwen3MoeForCausalLM(native.Qwen3MoeForCausalLM):
+class AFDQwen3MoeForCausalLM(AFDRoleModel, native.Qwen3MoeForCausalLM):
     packed_modules_mapping = {
         k: list(v) for k, v in native.Qwen3MoeForCausalLM.packed_modules_mapping.items()
     }
@@ -166,15 +158,3 @@ class AFDQwen3MoeForCausalLM(native.Qwen3MoeForCausalLM):
         self.num_local_physical_experts = example.n_local_physical_experts if example else 0
         self.num_routed_experts = example.n_routed_experts if example else 0
         self.num_redundant_experts = example.n_redundant_experts if example else 0
-
-    def ffn_layer_indices(self) -> list[int]:
-        return list(range(self.model.start_layer, self.model.end_layer))
-
-    def compute_ffn_output(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[layer_idx].mlp(hidden_states)
-
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        return not weight_wanted(self.afd.role, name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(filter_weights(self.afd.role, weights))

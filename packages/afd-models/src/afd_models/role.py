@@ -15,6 +15,7 @@ from vllm.model_executor.models.utils import PPMissingLayer
 from afd_core.config import AFDConfig, AFDConfigError, parse_optional_afd_config
 from afd_core.dbo import dbo_yield
 from afd_core.runtime import active_connector
+from afd_models.weights import filter_weights, weight_wanted
 
 
 def afd_config_of(vllm_config) -> AFDConfig:
@@ -34,6 +35,22 @@ def afd_config_of(vllm_config) -> AFDConfig:
             True,
         )
     return cfg
+
+
+def attention_side(layer: torch.nn.Module, exchange_index: int, config) -> None:
+    """Attention role: the layer's norms, and its MLP/MoE computed remotely."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    layer.mlp = RemoteFFN(exchange_index)
+    layer.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+def ffn_side(layer: torch.nn.Module) -> None:
+    """FFN role: placeholders where attention and the norms would be."""
+    layer.self_attn = PPMissingLayer()
+    layer.input_layernorm = PPMissingLayer()
+    layer.post_attention_layernorm = PPMissingLayer()
 
 
 class RemoteFFN(PPMissingLayer):
@@ -57,3 +74,22 @@ class RemoteFFN(PPMissingLayer):
 
     def extra_repr(self) -> str:
         return f"exchange_index={self.exchange_index}"
+
+
+class AFDRoleModel:
+    """Mixin for the top-level AFD model classes (needs `self.afd` and `self.model`)."""
+
+    def ffn_layer_indices(self) -> list[int]:
+        """Layers whose MLP/MoE is exchanged each step, in protocol order."""
+        return list(range(self.model.start_layer, self.model.end_layer))
+
+    def compute_ffn_output(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """FFN role: one layer's MLP/MoE, inside a forward context set by the caller."""
+        return self.model.layers[layer_idx].mlp(hidden_states)
+
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        # vLLM skips checkpoint shards whose tensors all belong to the other role
+        return not weight_wanted(self.afd.role, name)
+
+    def load_weights(self, weights):
+        return super().load_weights(filter_weights(self.afd.role, weights))

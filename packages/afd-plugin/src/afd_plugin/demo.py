@@ -85,7 +85,7 @@ def _tpot(url: str, prompts: list[str], max_tokens: int) -> tuple[list, float]:
 
 def run(args) -> int:
     from afd_models.tiny import TinySpec, tiny_checkpoint
-    from afd_plugin.launcher import Server, ServerSpec, free_port, running
+    from afd_plugin.launcher import local_deployment, running
 
     a, f = args.shape
     if f != 1:
@@ -106,45 +106,15 @@ def run(args) -> int:
     print(f"  .. {model} ({time.monotonic() - t0:.1f}s)", flush=True)
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="afd-demo-"))
-    backend = BACKENDS[args.arch]
-    one_core = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    afd = {"port": free_port(), "num_attention_ranks": a, "num_ffn_ranks": f}
-    ffn = Server(
-        ServerSpec(
-            "ffn",
-            model,
-            free_port(),
-            afd={**afd, "role": "ffn"},
-            attention_backend=backend,
-            env=one_core,
-        ),
+    deployment = local_deployment(
+        model,
         log_dir,
+        attention_ranks=a,
+        attention_backend=BACKENDS[args.arch],
+        baseline=not args.no_baseline,
     )
-    att = Server(
-        ServerSpec(
-            "attention",
-            model,
-            free_port(),
-            afd={**afd, "role": "attention"},
-            attention_backend=backend,
-            data_parallel_size=a,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(a))}
-            if a > 1
-            else one_core,
-        ),
-        log_dir,
-    )
-    servers = [ffn, att]
-    if not args.no_baseline:
-        servers.insert(
-            0,
-            Server(
-                ServerSpec(
-                    "colocated", model, free_port(), attention_backend=backend, env=one_core
-                ),
-                log_dir,
-            ),
-        )
+    servers = list(deployment.values())
+    att = deployment["attention"]
     print(
         f"[2/4] starting {a}A{f}F: {', '.join(s.spec.name for s in servers)} (logs: {log_dir})",
         flush=True,
@@ -156,7 +126,7 @@ def run(args) -> int:
         afd_out, afd_tpot = _tpot(att.url, prompts, args.max_tokens)
         base_out, base_tpot = (None, None)
         if not args.no_baseline:
-            base_out, base_tpot = _tpot(servers[0].url, prompts, args.max_tokens)
+            base_out, base_tpot = _tpot(deployment["colocated"].url, prompts, args.max_tokens)
     print("[4/4] results", flush=True)
     for i, (p, o) in enumerate(zip(prompts, afd_out, strict=True)):
         line = f"  {p!r} -> {o.text!r}"

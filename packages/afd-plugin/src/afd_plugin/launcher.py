@@ -87,6 +87,67 @@ class ServerSpec:
         return cmd + self.extra_args
 
 
+# One core per server process, no pinning: several servers share a small machine.
+SHARED_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def local_deployment(
+    model: str,
+    log_dir: Path,
+    *,
+    attention_ranks: int = 1,
+    attention_backend: str | None = None,
+    baseline: bool = False,
+    afd_extra: dict | None = None,
+    tag: str = "",
+) -> dict[str, Server]:
+    """Servers of a one-host AFD deployment (attention data parallel = attention_ranks, one
+    FFN rank), plus a colocated baseline if asked; not started yet."""
+    afd = {"port": free_port(), "num_attention_ranks": attention_ranks, "num_ffn_ranks": 1}
+    afd |= afd_extra or {}
+    attention_env = SHARED_CORES
+    if attention_ranks > 1:  # one core per data-parallel rank, round robin over two
+        attention_env = {
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(attention_ranks))
+        }
+    servers = {}
+    if baseline:
+        servers["colocated"] = Server(
+            ServerSpec(
+                f"{tag}colocated",
+                model,
+                free_port(),
+                attention_backend=attention_backend,
+                env=SHARED_CORES,
+            ),
+            log_dir,
+        )
+    servers["ffn"] = Server(
+        ServerSpec(
+            f"{tag}ffn",
+            model,
+            free_port(),
+            afd={**afd, "role": "ffn"},
+            attention_backend=attention_backend,
+            env=SHARED_CORES,
+        ),
+        log_dir,
+    )
+    servers["attention"] = Server(
+        ServerSpec(
+            f"{tag}attention",
+            model,
+            free_port(),
+            afd={**afd, "role": "attention"},
+            attention_backend=attention_backend,
+            data_parallel_size=attention_ranks,
+            env=attention_env,
+        ),
+        log_dir,
+    )
+    return servers
+
+
 class ServerError(RuntimeError):
     pass
 

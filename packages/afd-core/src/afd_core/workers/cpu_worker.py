@@ -19,12 +19,23 @@ from afd_core.workers.selection import assert_compatible_afd_stack
 logger = get_logger(__name__)
 
 
-class AFDCPUAttentionWorker(CPUWorker):
-    """A normal CPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
+class _AFDWorker(CPUWorker):
+    """What both CPU role workers do around vLLM's CPU worker."""
+
+    afd = None  # the AttentionRole / FFNRole, set in load_model
 
     def init_device(self):
         assert_compatible_afd_stack(self.vllm_config, self)
         super().init_device()
+
+    def shutdown(self) -> None:
+        if self.afd is not None:
+            self.afd.close()
+        super().shutdown()
+
+
+class AFDCPUAttentionWorker(_AFDWorker):
+    """A normal CPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
 
     def load_model(self, *args, **kwargs) -> None:
         with afd_architecture(self.model_config):
@@ -32,19 +43,9 @@ class AFDCPUAttentionWorker(CPUWorker):
         self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
         self.afd.attach(self.model_runner.model)
 
-    def shutdown(self) -> None:
-        afd = getattr(self, "afd", None)
-        if afd is not None:
-            afd.close()
-        super().shutdown()
 
-
-class AFDCPUFFNWorker(CPUWorker):
+class AFDCPUFFNWorker(_AFDWorker):
     """Holds only MLP/MoE weights and no KV cache; a thread serves the attention ranks."""
-
-    def init_device(self):
-        assert_compatible_afd_stack(self.vllm_config, self)
-        super().init_device()
 
     def load_model(self, *args, **kwargs) -> None:
         with afd_architecture(self.model_config):
@@ -71,9 +72,3 @@ class AFDCPUFFNWorker(CPUWorker):
         )
 
     sample_tokens = execute_model
-
-    def shutdown(self) -> None:
-        afd = getattr(self, "afd", None)
-        if afd is not None:
-            afd.close()
-        super().shutdown()
