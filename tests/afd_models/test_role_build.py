@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 PROBE = Path(__file__).with_name("role_build_probe.py")
-BACKENDS = {"deepseek_v2": "CPU_MLA", "qwen3_moe": None}
+BACKENDS = {"deepseek_v2": "CPU_MLA", "deepseek_v3": "CPU_MLA", "qwen3_moe": None}
 
 
 @pytest.fixture(scope="module")

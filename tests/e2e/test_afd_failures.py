@@ -92,7 +92,9 @@ def test_dead_ffn_fails_the_request_and_names_the_peer(checkpoints, log_dir):
         assert "error" in outcome, "the request succeeded although the FFN server was killed"
         assert isinstance(outcome["error"], ServerError) and "500" in str(outcome["error"])
         elapsed = time.monotonic() - killed_at
-        assert elapsed < timeout_s + 30
+        print(f"request failed {elapsed:.2f} s after the FFN server was killed")
+        # a dead peer closes its sockets: noticed at once, long before the step timeout
+        assert elapsed < timeout_s, elapsed
         # the attention server reports the dead peer, then exits (its engine is dead)
         att.proc.wait(timeout=60)
         log = att.log_path.read_text(errors="replace")
