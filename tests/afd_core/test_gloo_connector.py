@@ -230,16 +230,25 @@ def mismatched_attn(port, q):
         q.put(("attention", f"{type(exc).__name__}: {exc}"))
 
 
-def test_handshake_mismatch_fails_both_sides_with_the_field():
+def run_sides(*targets, timeout=90) -> dict:
+    """Run each target(port, queue) in its own process; collect what each put on the queue."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=t, args=(port, q)) for t in (mismatched_ffn, mismatched_attn)]
+    procs = [ctx.Process(target=t, args=(port, q)) for t in targets]
     for p in procs:
         p.start()
-    out = dict(q.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(10)
+    try:
+        return dict(q.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def test_handshake_mismatch_fails_both_sides_with_the_field():
+    out = run_sides(mismatched_ffn, mismatched_attn)
     for side in ("ffn", "attention"):
         assert "handshake failed" in out[side], out
         assert "hidden_size=8" in out[side] and "16" in out[side], out
@@ -252,7 +261,7 @@ def test_rank_outside_topology_is_rejected_before_any_socket():
         make("ffn", 1, 2, 1, free_port())
 
 
-def test_announced_rows_must_match():
+def test_unconnected_connector_refuses_to_send():
     from afd_core.connectors.base import AFDPeerError
 
     conn = make("attention", 0, 1, 1, free_port())
@@ -294,13 +303,5 @@ def gate_attn(port, q):
 
 
 def test_router_logits_travel_with_the_rows_when_the_gate_runs_on_attention():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=t, args=(port, q)) for t in (gate_ffn, gate_attn)]
-    for p in procs:
-        p.start()
-    out = dict(q.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(10)
+    out = run_sides(gate_ffn, gate_attn)
     assert out == {"ffn": "ok", "attention": "ok"}, out

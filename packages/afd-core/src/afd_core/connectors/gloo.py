@@ -94,6 +94,15 @@ class GlooTransport(Transport):
                     f"{self.host}:{self.port} within {timeout_s:.0f}s"
                 )
             time.sleep(0.05)
+        # The store lives in the master's process: it leaves the barrier last, so no rank
+        # still polling finds the store gone.
+        left = self._store.add(key + "/left", 1)
+        if self.is_store_master:
+            while left < count:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"only {left} of {count} AFD ranks left {key!r}")
+                time.sleep(0.01)
+                left = self._store.add(key + "/left", 0)
 
     def close(self) -> None:
         self._data = self._ctrl = None
