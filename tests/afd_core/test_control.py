@@ -59,7 +59,7 @@ def corrupt(index, value):
         (corrupt(7, 2), "dtype='bfloat16', but this FFN rank runs 'float32'"),
         (corrupt(7, 99), "dtype=99"),
         (corrupt(8, -1), "negative token count"),
-        (corrupt(8, 257), "257 tokens in one micro-batch exceed this FFN rank's limit of 256"),
+        (corrupt(8, 257), "257 tokens in one micro-batch exceed the 256 that rank announced"),
         (corrupt(11, 4), "non-zero padding"),
         (msg().encode()[:-1], f"{MESSAGE_LEN - 1} words, expected {MESSAGE_LEN}"),
     ],

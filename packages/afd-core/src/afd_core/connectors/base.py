@@ -33,7 +33,7 @@ class WireSpec:
     hidden_size: int
     dtype: str  # torch dtype name without "torch."
     num_exchange_layers: int  # layers whose FFN part runs remotely, per step
-    max_tokens: int  # rows per micro-batch at most (vLLM's max_num_batched_tokens)
+    max_tokens: int  # rows per micro-batch this rank sends at most (max_num_batched_tokens)
     router_width: int = 0  # experts, when the gate runs on attention; else 0
 
 

@@ -137,8 +137,8 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
         raise ControlError(f"{who}: negative token count in {tokens}")
     if expect.max_tokens is not None and any(t > expect.max_tokens for t in tokens):
         raise ControlError(
-            f"{who}: {max(tokens)} tokens in one micro-batch exceed this FFN rank's limit "
-            f"of {expect.max_tokens} (--max-num-batched-tokens); use the same limit on both sides"
+            f"{who}: {max(tokens)} tokens in one micro-batch exceed the {expect.max_tokens} "
+            "that rank announced at start-up (its --max-num-batched-tokens)"
         )
     if any(words[HEADER_LEN + n_mb :]):
         raise ControlError(f"{who}: non-zero padding after {n_mb} micro-batches")

@@ -58,6 +58,7 @@ class PointToPointConnector(AFDConnector):
         # FFN side: rows per peer of the current step, per micro-batch
         self._rows: list[tuple[int, ...]] = []
         self._active_peers: list[bool] = [True] * len(self.peers)
+        self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._pending: dict[int, tuple[int, ...]] = {}  # micro-batch -> rows of the last recv
         # FFN side: one receive buffer per micro-batch, reused layer after layer (a fresh
         # large tensor per layer costs an mmap and page faults each time)
@@ -121,6 +122,9 @@ class PointToPointConnector(AFDConnector):
             "dtype": self.wire.dtype,
             "num_exchange_layers": self.wire.num_exchange_layers,
             "router_width": self.wire.router_width,
+            # each side's own --max-num-batched-tokens: not compared, it bounds what the
+            # FFN rank accepts from that peer in one micro-batch
+            "max_tokens": self.wire.max_tokens,
         }
 
     def _handshake(self, timeout_s: float) -> None:
@@ -137,8 +141,9 @@ class PointToPointConnector(AFDConnector):
                 except TransportError:
                     problems.append(f"attention rank {peer} did not join within {timeout_s:.0f}s")
                     continue
+                self._peer_max_tokens[i - 1] = int(theirs.get("max_tokens") or 0) or None
                 for field in mine:
-                    if field in ("role", "role_rank"):
+                    if field in ("role", "role_rank", "max_tokens"):
                         continue
                     # the FFN side may hold the router weights or not; only the width matters
                     if theirs.get(field) != mine[field]:
@@ -275,7 +280,9 @@ class PointToPointConnector(AFDConnector):
                 raise AFDPeerError(
                     f"{self._me()} waiting for the next step from attention rank {peer}: {exc}"
                 ) from None
-            expect = Expectation(peer, self.wire.hidden_size, self.wire.dtype, self.wire.max_tokens)
+            expect = Expectation(
+                peer, self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i]
+            )
             try:
                 msg = decode(buf.tolist(), expect)
             except ControlError as exc:
