@@ -30,6 +30,6 @@ class GlooOptions(BaseModel):
 
     # Longest wait for a peer (rendezvous, a control message, one layer's tensors).
     timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
-    # Longest wait for every rank to join the rendezvous at start-up; servers start at
-    # different times (model load), so this is longer than a per-step wait.
-    connect_timeout_s: Seconds = Field(default=300.0, gt=0, le=3600)
+    # Longest wait for every rank to join the rendezvous at start-up. Servers finish loading
+    # at different times: raise it when one side loads a large model much later.
+    connect_timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
