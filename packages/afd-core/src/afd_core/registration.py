@@ -72,21 +72,26 @@ def clear() -> None:
         _records.clear()
 
 
+# Needed by every AFD deployment (the Ascend step is recorded SKIPPED off NPU, so only an
+# NPU failure counts).
+ALWAYS_NEEDED = (
+    patch_step("config_validation"),  # maps worker class "auto" to the role worker
+    patch_step("engine_core"),  # FFN server mode
+    STEP_DBO_YIELD_OP,  # the attention-side proxy calls it between send and receive
+    STEP_MODELS,
+    STEP_ASCEND_CONFIG,
+)
+
+
 def steps_needed_by(config: AFDConfig) -> list[str]:
     """The registration steps a deployment with this config cannot run without."""
     from afd_core import envs
 
-    needed = [
-        patch_step("config_validation"),  # maps worker class "auto" to the role worker
-        patch_step("engine_core"),  # FFN server mode
-        STEP_DBO_YIELD_OP,  # the attention-side proxy calls it between send and receive
-        STEP_MODELS,
-    ]
+    needed = list(ALWAYS_NEEDED)
     if config.async_dp:
         needed += [patch_step("async_dp_engine"), patch_step("async_dp_forward_context")]
     if envs.balanced_routing_requested():
         needed.append(STEP_ROUTING_STRATEGY)
-    needed.append(STEP_ASCEND_CONFIG)  # recorded SKIPPED off NPU, so only an NPU failure counts
     return needed
 
 

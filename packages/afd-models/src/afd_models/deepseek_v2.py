@@ -30,7 +30,8 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from afd_models.role import AFDRoleModel, afd_config_of, attention_side, ffn_side
+from afd_core.config import require_afd_config
+from afd_models.role import AFDRoleModel, attention_side, ffn_side
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -51,7 +52,7 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
         index_group_builder=None,
     ) -> None:
         nn.Module.__init__(self)
-        afd = afd_config_of(vllm_config)
+        afd = require_afd_config(vllm_config)
         config = config or vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
         self.hidden_size = config.hidden_size
@@ -133,7 +134,7 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
 class AFDDeepseekV2Model(native.DeepseekV2Model):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
-        afd = afd_config_of(vllm_config)
+        afd = require_afd_config(vllm_config)
         config = vllm_config.model_config.hf_config
         self.config = config
         self.device = native.current_platform.device_type
@@ -194,7 +195,7 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModel, native.DeepseekV2ForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
-        self.afd = afd_config_of(vllm_config)
+        self.afd = require_afd_config(vllm_config)
         config = vllm_config.model_config.hf_config
         self.config = config
         self.quant_config = vllm_config.quant_config

@@ -23,7 +23,8 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from afd_models.role import AFDRoleModel, afd_config_of, attention_side, ffn_side
+from afd_core.config import require_afd_config
+from afd_models.role import AFDRoleModel, attention_side, ffn_side
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -43,7 +44,7 @@ class AFDQwen3MoeDecoderLayer(native.Qwen3MoeDecoderLayer):
         mrope_positions_factor: int = 4,
     ) -> None:
         nn.Module.__init__(self)
-        afd = afd_config_of(vllm_config)
+        afd = require_afd_config(vllm_config)
         config = vllm_config.model_config.hf_text_config
         quant_config = vllm_config.quant_config
         self.hidden_size = config.hidden_size
@@ -88,7 +89,7 @@ class AFDQwen3MoeDecoderLayer(native.Qwen3MoeDecoderLayer):
 class AFDQwen3MoeModel(native.Qwen3MoeModel):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
-        afd = afd_config_of(vllm_config)
+        afd = require_afd_config(vllm_config)
         config = vllm_config.model_config.hf_text_config
         self.num_redundant_experts = vllm_config.parallel_config.eplb_config.num_redundant_experts
         self.vocab_size = config.vocab_size
@@ -122,7 +123,7 @@ class AFDQwen3MoeForCausalLM(AFDRoleModel, native.Qwen3MoeForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
-        self.afd = afd_config_of(vllm_config)
+        self.afd = require_afd_config(vllm_config)
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.quant_config = vllm_config.quant_config

@@ -12,29 +12,9 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.models.utils import PPMissingLayer
 
-from afd_core.config import AFDConfig, AFDConfigError, parse_optional_afd_config
 from afd_core.dbo import dbo_yield
 from afd_core.runtime import active_connector
 from afd_models.weights import filter_weights, weight_wanted
-
-
-def afd_config_of(vllm_config) -> AFDConfig:
-    """The AFD config of the vLLM config a model is built with; an AFD model needs one."""
-    cfg = parse_optional_afd_config(vllm_config.additional_config)
-    if cfg is None:
-        raise AFDConfigError(
-            "an AFD model class was selected but the vLLM config has no 'afd' key in "
-            "--additional-config; AFD<arch> models only run inside an AFD deployment",
-            "afd",
-        )
-    if cfg.compute_gate_on_attention:
-        raise AFDConfigError(
-            "afd config: compute_gate_on_attention=True is not supported by the model "
-            "wrappers of this release (the gate runs on the FFN side); allowed: false",
-            "compute_gate_on_attention",
-            True,
-        )
-    return cfg
 
 
 def attention_side(layer: torch.nn.Module, exchange_index: int, config) -> None:

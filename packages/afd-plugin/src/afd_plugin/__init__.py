@@ -90,9 +90,7 @@ def register_afd() -> None:
     # Not wrapped: a broken routing registration is a bug that must surface.
     from afd_core.routing_simulator import register_afd_balanced_routing_strategy
 
-    if register_afd_balanced_routing_strategy():
-        reg.record(reg.STEP_ROUTING_STRATEGY, reg.StepStatus.APPLIED)
-    else:
+    if not register_afd_balanced_routing_strategy():  # when applied, it records itself
         reg.record(
             reg.STEP_ROUTING_STRATEGY,
             reg.StepStatus.DEFERRED,

@@ -86,14 +86,7 @@ def collect() -> dict:
         for s in _SPECS.values()
     }
     if vllm is not None:
-        always = [
-            reg.patch_step("config_validation"),
-            reg.patch_step("engine_core"),
-            reg.STEP_DBO_YIELD_OP,
-            reg.STEP_MODELS,
-            reg.STEP_ASCEND_CONFIG,
-        ]
-        for name in always:
+        for name in reg.ALWAYS_NEEDED:
             rec = steps.get(name)
             if rec is None:
                 problems.append(f"step {name} did not run")

@@ -190,22 +190,6 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_healthy(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(
-                    f"server {self.spec.name!r} exited with code {self.proc.returncode} while "
-                    f"starting; last log lines ({self.log_path}):\n{self.log_tail()}"
-                )
-            if self.is_healthy():
-                return
-            time.sleep(0.5)
-        raise ServerError(
-            f"server {self.spec.name!r} was not healthy within {timeout:.0f}s; "
-            f"log: {self.log_path}\n{self.log_tail()}"
-        )
-
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL what is left after timeout."""
         if self.proc is None:

@@ -67,18 +67,14 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
 
 
 def _check_and_update_config(original, cls, vllm_config) -> None:
-    from afd_core.config import parse_optional_afd_config
+    from afd_core.config import check_supported, parse_optional_afd_config
     from afd_core.registration import assert_steps_ok_for
     from afd_core.workers.selection import resolve_worker_cls
 
     afd = parse_optional_afd_config(vllm_config.additional_config, device_type=cls.device_type)
     if afd is not None:
         assert_steps_ok_for(afd)
-        if afd.compute_gate_on_attention:
-            raise AFDDeploymentError(
-                "afd config: compute_gate_on_attention=True is not supported by the model "
-                "wrappers of this release (the gate runs on the FFN side); allowed: false"
-            )
+        check_supported(afd)
         validate_deployment(afd, vllm_config, cls.device_type)
         pc = vllm_config.parallel_config
         pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, afd.role)

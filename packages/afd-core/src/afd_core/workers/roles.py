@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from afd_core.config import AFDConfig, parse_optional_afd_config
+from afd_core.config import require_afd_config
 from afd_core.connectors.base import AFDConnector, AFDPeerError, WireSpec
 from afd_core.connectors.factory import build_connector
 from afd_core.log import get_logger
@@ -24,14 +24,6 @@ from afd_core.registration import assert_steps_ok_for
 from afd_core.runtime import install_connector
 
 logger = get_logger(__name__)
-
-
-def afd_config(vllm_config) -> AFDConfig:
-    cfg = parse_optional_afd_config(vllm_config.additional_config)
-    if cfg is None:
-        raise RuntimeError("an AFD worker was started without an 'afd' key in --additional-config")
-    assert_steps_ok_for(cfg)
-    return cfg
 
 
 def role_rank(vllm_config, tp_rank: int) -> int:
@@ -83,19 +75,28 @@ def make_wire_spec(vllm_config, model) -> WireSpec:
     )
 
 
-class AttentionRole:
+class _Role:
+    """This worker's AFD config, rank and connector."""
+
     def __init__(self, vllm_config, tp_rank: int):
         self.vllm_config = vllm_config
-        self.config = afd_config(vllm_config)
+        self.config = require_afd_config(vllm_config)
+        assert_steps_ok_for(self.config)
         self.rank = role_rank(vllm_config, tp_rank)
         self.connector: AFDConnector | None = None
-        self._hook = None
 
-    def attach(self, model) -> None:
-        """Connect to the FFN rank and start announcing every forward of `model`."""
+    def _connect(self, model) -> None:
         wire = make_wire_spec(self.vllm_config, model)
         self.connector = build_connector(self.config, self.rank, wire)
         self.connector.init()
+
+
+class AttentionRole(_Role):
+    _hook = None
+
+    def attach(self, model) -> None:
+        """Connect to the FFN rank and start announcing every forward of `model`."""
+        self._connect(model)
         install_connector(self.connector)
         self._hook = model.register_forward_pre_hook(self._announce_step, with_kwargs=True)
 
@@ -115,26 +116,20 @@ class AttentionRole:
             self.connector.close()
 
 
-class FFNRole:
+class FFNRole(_Role):
     """Serves the FFN half of every layer for this rank's attention peers."""
 
     def __init__(self, vllm_config, tp_rank: int):
-        self.vllm_config = vllm_config
-        self.config = afd_config(vllm_config)
-        self.rank = role_rank(vllm_config, tp_rank)
-        self.connector: AFDConnector | None = None
+        super().__init__(vllm_config, tp_rank)
         self.steps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     def attach(self, model, forward_context: Callable[[], contextlib.AbstractContextManager]):
-        wire = make_wire_spec(self.vllm_config, model)
         self.model = model
         self.layers = model.ffn_layer_indices()
         self.forward_context = forward_context
-        self.connector = build_connector(self.config, self.rank, wire)
-        self.connector.init()
+        self._connect(model)
 
     def serve_step(self) -> bool:
         """One step for all peers; False when every peer has left."""
@@ -175,7 +170,6 @@ class FFNRole:
             except BaseException as exc:  # noqa: BLE001 - reported, then the process stops
                 if self._stop.is_set():
                     return
-                self.error = exc
                 logger.error(
                     "AFD FFN rank %d stopped: %s",
                     self.rank,
