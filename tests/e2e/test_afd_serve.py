@@ -1,31 +1,61 @@
-"""Real `vllm serve` processes: AFD gives exactly the tokens the colocated server gives.
+"""Real `vllm serve` processes: AFD gives exactly the tokens the colocated server gives,
+with and without micro-batches (DBO), and survives a failed step.
 
-Per architecture: a colocated server, a 1 attention : 1 FFN deployment, and a 2A1F one
-(one attention server with two data-parallel ranks, one FFN server). fp32 greedy.
+Per architecture: a colocated server with a 1 attention : 1 FFN deployment, then a 2A1F one
+(one attention server with two data-parallel ranks, one FFN server); each deployment is
+started once and answers several tests. fp32 greedy. The attention servers start
+DBO-capable and change m at run time through vLLM's dev endpoint, so one deployment answers
+m = 1, 2 and 4.
+
+vLLM's CPU path is not batch-invariant (DeepSeek-V2: the same request's logprobs move by up
+to 1.2 between a lone run and a batch of four), so each micro-batched run is compared with
+the run whose batches are its micro-batches: four micro-batches of one request each against
+the requests run alone, two of two against the two pairs run as batches. Equal batches
+compare exactly (max logprob difference 1e-5), colocated or AFD.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from afd_plugin.launcher import (
     SHARED_CORES,
     Server,
+    ServerError,
     ServerSpec,
+    complete,
     free_port,
     local_deployment,
     running,
 )
-from tests.e2e.conftest import BACKENDS, MAX_TOKENS, PROMPTS, run_prompts
+from tests.e2e.conftest import (
+    BACKENDS,
+    DBO_ARGS,
+    DEV_MODE,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_same,
+    rpc,
+    run_batch,
+    run_prompts,
+)
 
 pytestmark = pytest.mark.e2e
 
-_REFERENCE: dict[str, list] = {}
+_ALONE: dict[str, list] = {}  # arch -> colocated results, one request at a time
 
 
 def afd_pair(model, arch, log_dir, tag, dp=1):
     d = local_deployment(
-        model, log_dir, attention_ranks=dp, attention_backend=BACKENDS[arch], tag=f"{arch}-{tag}-"
+        model,
+        log_dir,
+        attention_ranks=dp,
+        attention_backend=BACKENDS[arch],
+        attention_args=DBO_ARGS,
+        env=DEV_MODE,
+        tag=f"{arch}-{tag}-",
     )
     return d["ffn"], d["attention"]
 
@@ -36,42 +66,105 @@ def colocated_server(model, arch, log_dir):
         model,
         free_port(),
         attention_backend=BACKENDS[arch],
-        env=SHARED_CORES,
+        env={**SHARED_CORES, **DEV_MODE},
     )
     return Server(spec, log_dir)
 
 
-def assert_same(reference, afd):
-    for prompt, ref, got in zip(PROMPTS, reference, afd, strict=True):
-        assert len(ref.token_ids) == len(got.token_ids) == MAX_TOKENS
-        assert got.token_ids == ref.token_ids, prompt
-        worst = max(abs(a - b) for a, b in zip(ref.logprobs, got.logprobs, strict=True))
-        assert worst <= 1e-5, (prompt, worst)
-
-
-@pytest.mark.parametrize("arch", list(BACKENDS))
-def test_1a1f_matches_colocated(arch, checkpoints, log_dir):
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def one_to_one(request, checkpoints, log_dir):
+    """Colocated server and a 1A1F deployment of one architecture, for the whole module."""
+    arch = request.param
     model = str(checkpoints(arch))
     colocated = colocated_server(model, arch, log_dir)
     ffn, att = afd_pair(model, arch, log_dir, "1a1f")
     with running([colocated, ffn, att]):
-        _REFERENCE[arch] = run_prompts(colocated.url)
-        assert_same(_REFERENCE[arch], run_prompts(att.url))
-        # the FFN server answers requests with a clear error instead of hanging
-        from afd_plugin.launcher import ServerError, complete
+        _ALONE[arch] = run_prompts(colocated.url)
+        yield SimpleNamespace(arch=arch, colocated=colocated, ffn=ffn, att=att)
 
-        with pytest.raises(ServerError, match="400.*AFD FFN server.*attention server"):
-            complete(ffn.url, "hi", 4, timeout=30)
+
+def set_m(att, m: int, decode_threshold: int | None = None) -> dict:
+    args = [str(m)] + ([str(decode_threshold)] if decode_threshold else [])
+    return rpc(att.url, "afd_set_microbatching", *args)[0]
+
+
+def split_steps(att) -> dict:
+    return rpc(att.url, "afd_step_stats")[0]["by_microbatches"]
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def test_1a1f_without_microbatches_matches_colocated(one_to_one):
+    d = one_to_one
+    set_m(d.att, 1)
+    assert_same(_ALONE[d.arch], run_prompts(d.att.url))
+    assert_same(run_batch(d.colocated.url), run_batch(d.att.url))  # the same batch of four
+
+
+def test_microbatches_compute_exactly_what_their_requests_compute(one_to_one):
+    d = one_to_one
+    set_m(d.att, 1)
+    pairs = run_batch(d.att.url, PROMPTS[:2]) + run_batch(d.att.url, PROMPTS[2:])
+    before = split_steps(d.att)
+    set_m(d.att, 4)  # four micro-batches of one request each
+    assert_same(_ALONE[d.arch], run_batch(d.att.url))
+    set_m(d.att, 2)  # two micro-batches: the first two requests and the last two
+    assert_same(pairs, run_batch(d.att.url))
+    # every step of both batches was split: the prefill and 31 decodes each
+    assert delta(split_steps(d.att), before) == {"4": MAX_TOKENS, "2": MAX_TOKENS}
+
+
+def test_a_batch_below_the_threshold_runs_unsplit(one_to_one):
+    d = one_to_one
+    before = split_steps(d.att)
+    set_m(d.att, 2, decode_threshold=8)
+    run_batch(d.att.url)  # four decodes per step: below 8, unsplit
+    # only the prefill (21 tokens, above its threshold of 4) was split
+    assert delta(split_steps(d.att), before) == {"1": MAX_TOKENS - 1, "2": 1}
+
+
+def test_ffn_server_rejects_requests(one_to_one):
+    with pytest.raises(ServerError, match="400.*AFD FFN server.*attention server"):
+        complete(one_to_one.ffn.url, "hi", 4, timeout=30)
+
+
+@pytest.mark.parametrize("side", ["ffn", "attention"])
+def test_a_failed_step_fails_its_request_and_the_next_one_is_served(one_to_one, side):
+    d = one_to_one
+    set_m(d.att, 2, decode_threshold=2)
+    if side == "ffn":
+        rpc(d.ffn.url, "afd_inject_step_failure", "1", "test")
+    else:
+        rpc(d.att.url, "afd_inject_step_failure", "test")
+    with pytest.raises(ServerError, match="500"):
+        complete(d.att.url, PROMPTS[0], MAX_TOKENS)
+    assert_same(_ALONE[d.arch], run_prompts(d.att.url))  # the deployment goes on
+    log = d.att.log_path.read_text(errors="replace")
+    if side == "ffn":
+        assert "FFN rank 0" in log and "failed layer 1" in log, d.att.log_tail(60)
+        assert "injected FFN step failure (test)" in log, d.att.log_tail(60)
+    else:
+        assert "failed on this rank (micro-batch" in log, d.att.log_tail(60)
+        assert "injected attention step failure (test)" in log, d.att.log_tail(60)
+    assert "finish with an error" in log, d.att.log_tail(60)
+    assert d.att.proc.poll() is None and d.ffn.proc.poll() is None
 
 
 @pytest.mark.parametrize("arch", list(BACKENDS))
-def test_2a1f_data_parallel_attention_matches_colocated(arch, checkpoints, log_dir):
+def test_2a1f_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
     model = str(checkpoints(arch))
     ffn, att = afd_pair(model, arch, log_dir, "2a1f", dp=2)
     servers = [ffn, att]
-    if arch not in _REFERENCE:  # run alone: start the colocated reference alongside
+    if arch not in _ALONE:  # run alone: start the colocated reference alongside
         servers.insert(0, colocated_server(model, arch, log_dir))
     with running(servers):
-        if arch not in _REFERENCE:
-            _REFERENCE[arch] = run_prompts(servers[0].url)
-        assert_same(_REFERENCE[arch], run_prompts(att.url))
+        if arch not in _ALONE:
+            _ALONE[arch] = run_prompts(servers[0].url)
+        set_m(att, 1)
+        assert_same(_ALONE[arch], run_prompts(att.url))
+        # each data-parallel rank splits its share of the batch into micro-batches of one
+        # request: every request computes exactly what it computes alone
+        set_m(att, 4)
+        assert_same(_ALONE[arch], run_batch(att.url))

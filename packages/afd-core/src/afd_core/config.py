@@ -22,21 +22,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from afd_core.connectors.registry import available_connectors, connector_spec
+from afd_core.errors import AFDConfigError
+
+__all__ = ["AFDConfig", "AFDConfigError", "parse_afd_config", "parse_optional_afd_config"]
 
 ROLES = ("attention", "ffn")
 AFD_KEY = "afd"
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-class AFDConfigError(ValueError):
-    """A bad `afd` config: names the field, the value and what is allowed."""
-
-    def __init__(self, message: str, field: str | None = None, value: Any = None):
-        super().__init__(message)
-        self.field = field
-        self.value = value
 
 
 def _coerce_bool(v: Any) -> Any:
@@ -84,6 +78,9 @@ class AFDConfig(BaseModel):
     num_ffn_ranks: Int = Field(default=1, ge=1)
     compute_gate_on_attention: Bool = False
     async_dp: Bool = False
+    # micro-batches per step on an attention server (DBO); None: from vLLM's --enable-dbo
+    # (2) / --ubatch-size, else 1. Resolved and checked at start-up (patches/config_validation)
+    num_microbatches: Int | None = Field(default=None, ge=1, le=4)
     connector_extra_config: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("connector")
@@ -117,6 +114,7 @@ class AFDConfig(BaseModel):
             "num_ffn_ranks": self.num_ffn_ranks,
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "async_dp": self.async_dp,
+            "num_microbatches": self.num_microbatches,
         }
         blob = json.dumps(factors, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
@@ -131,6 +129,7 @@ _FIELD_HELP = {
     "num_ffn_ranks": "an integer >= 1",
     "compute_gate_on_attention": "a boolean",
     "async_dp": "a boolean",
+    "num_microbatches": "an integer 1..4 (attention servers; DBO micro-batches per step)",
     "connector_extra_config": "a JSON object (checked by the connector's own schema)",
 }
 

@@ -4,8 +4,11 @@ The attention-side FFN proxy calls it between sending a layer's hidden states an
 receiving the FFN output, so that with two micro-batches one micro-batch's attention runs
 while the other's FFN is computed remotely. It is registered as a custom op that mutates
 its argument: torch.compile and CUDA-graph capture then keep it as an ordered, opaque node
-instead of dropping or reordering a call that returns nothing. While no micro-batching is
-active it does nothing.
+instead of dropping or reordering a call that returns nothing.
+
+It hands the baton to AFD's own micro-batch executor (afd_core.step.microbatch) when the
+calling thread runs one of its micro-batches, else to vLLM's ubatching (UBatchWrapper, CUDA)
+when that is active, else it does nothing.
 """
 
 import threading
@@ -20,6 +23,10 @@ def _make_impls():
     import torch
 
     def manual_dbo_yield(x: torch.Tensor) -> None:
+        from afd_core.step.microbatch import yield_to_next_microbatch
+
+        if yield_to_next_microbatch():
+            return
         from vllm.v1.worker import ubatching
 
         if ubatching.dbo_enabled():
@@ -48,6 +55,19 @@ def register_dbo_yield_custom_op() -> bool:
         impl, fake = _make_impls()
         direct_register_custom_op(op_name=OP_NAME, op_func=impl, mutates_args=["x"], fake_impl=fake)
         return True
+
+
+def current_microbatch_id() -> int:
+    """The micro-batch the calling thread computes: AFD's executor first, then vLLM's
+    ubatching, else 0 (an unsplit step)."""
+    from afd_core.step.microbatch import current_microbatch
+
+    mb = current_microbatch()
+    if mb is not None:
+        return mb
+    from vllm.v1.worker import ubatching
+
+    return ubatching.dbo_current_ubatch_id()
 
 
 def dbo_yield(x) -> None:

@@ -146,5 +146,10 @@ def register_afd_balanced_routing_strategy() -> bool:
     import it, before they build them).
     """
     from afd_core.patches.import_hooks import when_imported
+    from afd_core.registration import STEP_ROUTING_STRATEGY
 
-    return when_imported(ROUTER_MODULE, _register)
+    # registering it is never optional where the environment selects it: then a failure
+    # stops the importing process, as an eager registration would
+    return when_imported(
+        ROUTER_MODULE, _register, STEP_ROUTING_STRATEGY, envs.balanced_routing_requested
+    )

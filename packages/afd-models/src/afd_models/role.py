@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.models.utils import PPMissingLayer
 
-from afd_core.dbo import dbo_yield
+from afd_core.dbo import current_microbatch_id, dbo_yield
 from afd_core.runtime import active_connector
 from afd_models.weights import filter_weights, weight_wanted
 
@@ -36,9 +36,10 @@ def ffn_side(layer: torch.nn.Module) -> None:
 class RemoteFFN(PPMissingLayer):
     """Attention side: a decoder layer's MLP/MoE, computed by the FFN ranks.
 
-    Sends the post-attention-norm hidden states, yields to the other micro-batch (DBO),
-    and receives the FFN output into the same buffer, which keeps addresses stable for
-    graph capture.
+    Starts the exchange of the calling micro-batch (the FFN output's receive is posted
+    before the rows are sent, so neither side ever waits on the other's order), yields to
+    the next micro-batch (DBO: its attention runs while the FFN ranks compute these rows),
+    then waits for the FFN output.
     """
 
     def __init__(self, exchange_index: int):
@@ -46,11 +47,11 @@ class RemoteFFN(PPMissingLayer):
         self.exchange_index = exchange_index
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        conn = active_connector()
-        hidden_states = hidden_states.contiguous()
-        conn.send_attn_output(hidden_states, self.exchange_index)
+        exchange = active_connector().start_exchange(
+            hidden_states, self.exchange_index, current_microbatch_id()
+        )
         dbo_yield(hidden_states)
-        return conn.recv_ffn_output(hidden_states, self.exchange_index)
+        return exchange.wait()
 
     def extra_repr(self) -> str:
         return f"exchange_index={self.exchange_index}"

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 from typing import Any
 
-from afd_plugin.spawn import force_spawn_multiprocessing_if_requested
+from afd_core.spawn import force_spawn_multiprocessing_if_requested
 
 _logger = logging.getLogger("vllm.afd_plugin")
 _registered = False
@@ -111,10 +111,20 @@ def register_afd() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.device_type == "npu":
-        from afd_npu.patches.ascend_config import apply_afd_ascend_config_patch
-
-        status, reason = apply_afd_ascend_config_patch()
-        reg.record(reg.STEP_ASCEND_CONFIG, status, reason)
+        try:
+            from afd_npu.patches.ascend_config import apply_afd_ascend_config_patch
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "afd_npu":
+                raise
+            # afd-plugin without its [npu] extra on an Ascend machine: every vLLM process
+            # loads this plugin, so do not stop them; an AFD config stops at start-up with
+            # this reason (the step is needed by every AFD deployment)
+            reason = "afd-npu is not installed; AFD on Ascend needs pip install 'afd-plugin[npu]'"
+            reg.record(reg.STEP_ASCEND_CONFIG, reg.StepStatus.FAILED, reason)
+            _logger.warning("AFD plugin: %s", reason)
+        else:
+            status, reason = apply_afd_ascend_config_patch()
+            reg.record(reg.STEP_ASCEND_CONFIG, status, reason)
     else:
         reg.record(reg.STEP_ASCEND_CONFIG, reg.StepStatus.SKIPPED, "not an NPU platform")
 

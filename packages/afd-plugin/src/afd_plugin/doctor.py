@@ -1,8 +1,9 @@
 """`afd doctor`: can AFD run here, and if not, why.
 
-Runs register_afd in this process (as vLLM would) and reports versions, platform, every
-registration step and patch, the AFD models and the connectors. Exit status 0 only when an
-AFD deployment can start on this machine.
+Runs register_afd in this process (as vLLM would), then imports the vLLM modules its
+deferred steps wait for, so a deferred registration that fails shows as failed; reports
+versions, platform, every registration step and patch, the AFD models and the connectors.
+Exit status 0 only when an AFD deployment can start on this machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ def _dist_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def resolve_deferred_steps() -> list[str]:
+    """Import every module a deferred step waits for, as a vLLM server would; the steps
+    record their real outcome. Returns the imports that failed."""
+    import importlib
+
+    from afd_core.patches.import_hooks import pending
+
+    problems = []
+    for module in pending():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            problems.append(f"importing {module} failed: {type(exc).__name__}: {exc}")
+    return problems
 
 
 def collect() -> dict:
@@ -60,6 +77,7 @@ def collect() -> dict:
             register_afd()
         except Exception as exc:
             problems.append(f"register_afd raised {type(exc).__name__}: {exc}")
+        problems += resolve_deferred_steps()
         try:
             from vllm.model_executor.models import ModelRegistry
 

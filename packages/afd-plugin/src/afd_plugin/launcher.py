@@ -99,16 +99,21 @@ def local_deployment(
     attention_backend: str | None = None,
     baseline: bool = False,
     afd_extra: dict | None = None,
+    attention_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
     tag: str = "",
 ) -> dict[str, Server]:
     """Servers of a one-host AFD deployment (attention data parallel = attention_ranks, one
-    FFN rank), plus a colocated baseline if asked; not started yet."""
+    FFN rank), plus a colocated baseline if asked; not started yet. `attention_args` go to
+    the attention server only (e.g. --enable-dbo), `env` to every server."""
     afd = {"port": free_port(), "num_attention_ranks": attention_ranks, "num_ffn_ranks": 1}
     afd |= afd_extra or {}
-    attention_env = SHARED_CORES
+    env = env or {}
+    attention_env = {**SHARED_CORES, **env}
     if attention_ranks > 1:  # one core per data-parallel rank, round robin over two
         attention_env = {
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(attention_ranks))
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(attention_ranks)),
+            **env,
         }
     servers = {}
     if baseline:
@@ -118,7 +123,7 @@ def local_deployment(
                 model,
                 free_port(),
                 attention_backend=attention_backend,
-                env=SHARED_CORES,
+                env={**SHARED_CORES, **env},
             ),
             log_dir,
         )
@@ -129,7 +134,7 @@ def local_deployment(
             free_port(),
             afd={**afd, "role": "ffn"},
             attention_backend=attention_backend,
-            env=SHARED_CORES,
+            env={**SHARED_CORES, **env},
         ),
         log_dir,
     )
@@ -142,6 +147,7 @@ def local_deployment(
             attention_backend=attention_backend,
             data_parallel_size=attention_ranks,
             env=attention_env,
+            extra_args=list(attention_args or []),
         ),
         log_dir,
     )

@@ -1,11 +1,13 @@
 """The connector interface: how attention and FFN ranks exchange one layer's tensors.
 
-Attention side, per step: `send_control` once, then per layer and micro-batch
-`send_attn_output` followed by `recv_ffn_output` into the very buffer it sent.
+Attention side, per step: `begin_step` (the control message: rows per micro-batch, step
+number, flags), then per layer and micro-batch `start_exchange` (post the receive of the FFN
+output, send the rows) and, after the DBO yield, the exchange's `wait()`; finally
+`end_step` (the FFN rank's status for the step), or `abort_step` after a local failure.
 FFN side, per step: `recv_control` (one message per attention peer), then per layer and
-micro-batch `recv_attn_output` (the peers' rows concatenated in peer order) and
-`send_ffn_output` (each peer gets its slice back). Both sides walk layer-major,
-micro-batch-minor, exactly one exchange each: the order is the protocol.
+micro-batch `post_attn_output` (receives of every peer's rows, concatenated in peer order)
+and `send_ffn_output` (each peer gets its slice back), and `finish_step`. Both sides walk
+layer-major, micro-batch-minor: the order is the protocol.
 """
 
 from __future__ import annotations
@@ -14,16 +16,23 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from afd_core.connectors.control import ControlMessage
+from afd_core.connectors.control import ControlFlag, ControlMessage
 
 if TYPE_CHECKING:
     import torch
 
     from afd_core.config import AFDConfig
+    from afd_core.connectors.status import StepStatus
 
 
 class AFDPeerError(RuntimeError):
-    """A peer that is dead, late, or disagrees with this rank; names the peer and the wait."""
+    """A peer that is dead, late, or disagrees with this rank; names the peer and the wait.
+    The deployment cannot go on: both sides stop."""
+
+
+class AFDStepError(RuntimeError):
+    """One step failed (on this rank or its peer) but the protocol is still in step: that
+    step's requests fail, the deployment goes on with the next step."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,24 @@ class WireSpec:
     num_exchange_layers: int  # layers whose FFN part runs remotely, per step
     max_tokens: int  # rows per micro-batch this rank sends at most (max_num_batched_tokens)
     router_width: int = 0  # experts, when the gate runs on attention; else 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """FFN side: what the peers announced for one step."""
+
+    step: int
+    messages: tuple[ControlMessage, ...]  # one per peer still in the deployment
+    rows: tuple[tuple[int, ...], ...]  # [micro-batch][peer]: rows each peer sends
+    flags: ControlFlag  # union of the live peers' flags
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.rows)
+
+    @property
+    def live(self) -> tuple[ControlMessage, ...]:
+        return tuple(m for m in self.messages if not m.is_shutdown)
 
 
 @dataclass
@@ -66,31 +93,57 @@ class AFDConnector(ABC):
 
     # attention side
     @abstractmethod
-    def send_control(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage: ...
+    def begin_step(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage:
+        """Announce the next step: rows per micro-batch (1..4 entries) and flags."""
 
     @abstractmethod
-    def send_attn_output(
+    def start_exchange(
         self,
         hidden_states: torch.Tensor,
         layer: int,
         microbatch: int = 0,
         router_logits: torch.Tensor | None = None,
-    ) -> None: ...
+        out: torch.Tensor | None = None,
+    ):
+        """Post the receive of the FFN output (into `out`, or a new tensor) and send the
+        rows; returns an exchange whose `wait()` returns the FFN output. The rows must not
+        be modified until then."""
 
     @abstractmethod
-    def recv_ffn_output(
-        self, hidden_states: torch.Tensor, layer: int, microbatch: int = 0
-    ) -> torch.Tensor:
-        """Receive the FFN output into `hidden_states` (the buffer that was sent)."""
+    def end_step(self) -> None:
+        """The FFN rank's verdict on the step: AFDStepError if it failed there."""
+
+    @abstractmethod
+    def abort_step(self) -> str:
+        """After a local failure mid-step: finish the step in protocol (zeros); returns
+        where each micro-batch had stopped, for the error message."""
+
+    def exchange(self, hidden_states, layer: int, microbatch: int = 0, router_logits=None):
+        """Blocking form of start_exchange(...).wait()."""
+        return self.start_exchange(hidden_states, layer, microbatch, router_logits).wait()
 
     # FFN side
     @abstractmethod
-    def recv_control(self) -> list[ControlMessage]:
+    def recv_control(self) -> StepPlan:
         """Block until every attention peer announced its next step (or left)."""
 
     @abstractmethod
+    def post_attn_output(self, layer: int, microbatch: int = 0):
+        """Post the receives of one layer/micro-batch; returns a pending batch whose
+        `wait()` returns the FFNBatch."""
+
     def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch:
-        """The peers' rows; the tensor is reused by this micro-batch's next receive."""
+        """Blocking form of post_attn_output(...).wait()."""
+        return self.post_attn_output(layer, microbatch).wait()
 
     @abstractmethod
-    def send_ffn_output(self, output: torch.Tensor, layer: int, microbatch: int = 0) -> None: ...
+    def send_ffn_output(self, output: torch.Tensor, layer: int, microbatch: int = 0) -> None:
+        """Send each peer its rows; does not wait (finish_step does)."""
+
+    @abstractmethod
+    def finish_step(self, failure: StepStatus | None = None) -> None:
+        """Deliver the step's outputs and tell every live peer how the step went."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Tell the peers this rank stops the deployment, with the reason (best effort)."""

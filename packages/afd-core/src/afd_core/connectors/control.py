@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 
 MAGIC = 0x41464443  # "AFDC"
-VERSION = 1
+VERSION = 2  # 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step
 MAX_MICROBATCHES = 4
 HEADER_LEN = 8
 MESSAGE_LEN = HEADER_LEN + MAX_MICROBATCHES
@@ -30,9 +30,20 @@ DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 class ControlFlag(enum.IntFlag):
     NONE = 0
-    WARMUP = 1  # a warmup / profiling forward: shapes are real, results are discarded
+    WARMUP = 1  # a warm-up forward: shapes are real, results are discarded
     CAPTURE = 2  # the forward is being captured into a graph (accelerator paths)
     SHUTDOWN = 4  # the sender leaves the deployment; no layer exchange follows
+    DUMMY = 8  # no real requests: a data-parallel padding step or an idle rank's dummy batch
+    PROFILE = 16  # vLLM's memory-profiling forward (max-size dummy batch)
+
+
+KNOWN_FLAGS = int(
+    ControlFlag.WARMUP
+    | ControlFlag.CAPTURE
+    | ControlFlag.SHUTDOWN
+    | ControlFlag.DUMMY
+    | ControlFlag.PROFILE
+)
 
 
 class ControlError(RuntimeError):
@@ -114,8 +125,7 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
             "attention server has its own rank (data-parallel rank) and the same "
             "num_attention_ranks/num_ffn_ranks"
         )
-    known = ControlFlag.WARMUP | ControlFlag.CAPTURE | ControlFlag.SHUTDOWN
-    if flags & ~int(known) or flags < 0:
+    if flags & ~KNOWN_FLAGS or flags < 0:
         raise ControlError(f"{who}: unknown flags {flags:#x}")
     flag = ControlFlag(flags)
     if flag & ControlFlag.SHUTDOWN:

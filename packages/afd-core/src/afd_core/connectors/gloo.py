@@ -14,7 +14,7 @@ import datetime
 import time
 
 from afd_core.connectors.p2p import PointToPointConnector
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.transport import Handle, Transport, TransportError
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -118,31 +118,52 @@ class GlooTransport(Transport):
         except Exception as exc:
             raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {exc}") from None
 
-    def _wait(self, work, what: str) -> None:
-        # the group's own timeout bounds the wait: timeout_s for data, CONTROL_TIMEOUT else
+    def _handle(self, post, what: str) -> Handle:
         try:
-            work.wait()
-        except Exception as exc:
-            text = str(exc)
-            if "Connection closed by peer" in text or "Connection reset" in text:
-                reason = "the peer closed the connection (process exited or crashed)"
-            elif "Timed out" in text or "timeout" in text.lower():
-                reason = f"no answer within {self.timeout_s:.0f}s"
+            return _GlooHandle(post(), what, self.timeout_s)
+        except Exception as exc:  # posting fails at once when the pair is already closed
+            raise TransportError(f"{what}: {_reason(exc, self.timeout_s)}") from None
+
+    def isend(self, tensor, peer: int, tag: int) -> Handle:
+        return self._handle(lambda: self._data.send([tensor], peer, tag), "send")
+
+    def irecv(self, tensor, peer: int, tag: int) -> Handle:
+        return self._handle(lambda: self._data.recv([tensor], peer, tag), "receive")
+
+    def isend_control(self, tensor, peer: int) -> Handle:
+        return self._handle(lambda: self._ctrl.send([tensor], peer, 0), "control send")
+
+    def irecv_control(self, tensor, peer: int) -> Handle:
+        return self._handle(lambda: self._ctrl.recv([tensor], peer, 0), "control receive")
+
+
+def _reason(exc: BaseException, timeout_s: float) -> str:
+    text = str(exc)
+    if "Connection closed by peer" in text or "Connection reset" in text:
+        return "the peer closed the connection (process exited or crashed)"
+    if "Timed out" in text or "timeout" in text.lower():
+        return f"no answer within {timeout_s:.0f}s"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+class _GlooHandle(Handle):
+    """A posted gloo operation; the group's own timeout bounds `wait` (timeout_s for data,
+    CONTROL_TIMEOUT for control)."""
+
+    __slots__ = ("_work", "_what", "_timeout_s")
+
+    def __init__(self, work, what: str, timeout_s: float):
+        self._work, self._what, self._timeout_s = work, what, timeout_s
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        try:
+            if timeout_s is None:
+                self._work.wait()
             else:
-                reason = f"{type(exc).__name__}: {text.splitlines()[0][:300]}"
-            raise TransportError(f"{what}: {reason}") from None
-
-    def send(self, tensor, peer: int, tag: int) -> None:
-        self._wait(self._data.send([tensor], peer, tag), "send")
-
-    def recv(self, tensor, peer: int, tag: int) -> None:
-        self._wait(self._data.recv([tensor], peer, tag), "receive")
-
-    def send_control(self, tensor, peer: int) -> None:
-        self._wait(self._ctrl.send([tensor], peer, 0), "control send")
-
-    def recv_control(self, tensor, peer: int) -> None:
-        self._wait(self._ctrl.recv([tensor], peer, 0), "control receive")
+                self._work.wait(datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            bound = self._timeout_s if timeout_s is None else timeout_s
+            raise TransportError(f"{self._what}: {_reason(exc, bound)}") from None
 
 
 class GlooConnector(PointToPointConnector):

@@ -4,18 +4,34 @@ Each FFN rank k forms a group with its attention peers (topology.peers_of(k)): t
 is group rank 0, peer i is group rank i + 1. Start-up: every member publishes a hello in the
 rendezvous store; the FFN rank checks that all peers agree with it (ranks, shape, dtype,
 layers) and publishes a verdict that every peer waits for, so a mismatch fails both sides
-with the same message. Per step: control message, then per layer and micro-batch the rows.
-Tags encode (layer, micro-batch, kind), so an ordering bug is a timeout that names the
-layer instead of silently mixed-up data.
+with the same message.
+
+One step (docs/protocol.md): the attention rank sends a control message (rows per
+micro-batch, step number, flags) and posts the receive of the step's status; then per
+layer and micro-batch it posts the receive of the FFN output and sends its rows; the FFN
+rank posts the receives of all its peers at once, computes, sends each peer its slice, and
+ends the step with a status message per peer. Every operation is asynchronous; tags encode
+(layer, micro-batch, kind), so an ordering bug is an error that names the layer, never
+mixed-up data. A step that failed on either side is finished in protocol (rows of zeros)
+so the next step starts in step; only a transport failure ends the deployment.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from abc import abstractmethod
+from dataclasses import dataclass
 
-from afd_core.connectors.base import AFDConnector, AFDPeerError, FFNBatch, WireSpec
+from afd_core.connectors.base import (
+    AFDConnector,
+    AFDPeerError,
+    AFDStepError,
+    FFNBatch,
+    StepPlan,
+    WireSpec,
+)
 from afd_core.connectors.control import (
     MAX_MICROBATCHES,
     MESSAGE_LEN,
@@ -25,17 +41,75 @@ from afd_core.connectors.control import (
     Expectation,
     decode,
 )
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.status import (
+    STATUS_LEN,
+    StatusCode,
+    StatusError,
+    StepStatus,
+    decode_status,
+)
+from afd_core.connectors.transport import Handle, Transport, TransportError
 from afd_core.log import get_logger
 from afd_core.topology import Topology
 
 logger = get_logger(__name__)
 
 KIND_HIDDEN, KIND_LOGITS = 0, 1
+STATUS_TAG = 1 << 24  # above every data tag of any real model
+ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to take the reason
+STATUS_GRACE_S = 0.5  # how long a failed exchange waits for the FFN rank's reason
 
 
 def data_tag(layer: int, microbatch: int, kind: int) -> int:
     return ((layer * MAX_MICROBATCHES) + microbatch) * 2 + kind
+
+
+class Exchange:
+    """One layer/micro-batch in flight on the attention side: the FFN output's receive is
+    posted, the rows are sent. `wait()` returns the FFN output."""
+
+    def __init__(self, connector, layer: int, microbatch: int, out, handles: list[Handle]):
+        self._connector = connector
+        self.layer = layer
+        self.microbatch = microbatch
+        self.out = out
+        self._handles = handles  # receive first, then the sends
+        self.done = False
+
+    def wait(self):
+        if not self.done:
+            self._connector._complete_exchange(self)
+        return self.out
+
+
+@dataclass
+class _AttentionStep:
+    """What the attention side tracks of the step in flight."""
+
+    number: int
+    rows: tuple[int, ...]
+    control: Handle
+    status_buf: object
+    status: Handle
+    next_layer: list[int]
+    inflight: dict[int, Exchange]
+
+
+class PendingBatch:
+    """FFN side: one layer/micro-batch whose receives from every peer are posted."""
+
+    def __init__(self, connector, layer: int, microbatch: int, batch: FFNBatch, handles):
+        self._connector = connector
+        self.layer = layer
+        self.microbatch = microbatch
+        self._batch = batch
+        self._handles = handles  # (peer index, handle)
+        self.done = False
+
+    def wait(self) -> FFNBatch:
+        if not self.done:
+            self._connector._complete_batch(self)
+        return self._batch
 
 
 class PointToPointConnector(AFDConnector):
@@ -54,15 +128,19 @@ class PointToPointConnector(AFDConnector):
         self._transport: Transport | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._step = 0
-        # FFN side: rows per peer of the current step, per micro-batch
-        self._rows: list[tuple[int, ...]] = []
+        self._step = 0  # attention: the next step's number; FFN: steps served
+        self._current: _AttentionStep | None = None  # attention: the step in flight
+        # FFN side
+        self._plan: StepPlan | None = None
         self._active_peers: list[bool] = [True] * len(self.peers)
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
-        self._pending: dict[int, tuple[int, ...]] = {}  # micro-batch -> rows of the last recv
-        # FFN side: one receive buffer per micro-batch, reused layer after layer (a fresh
-        # large tensor per layer costs an mmap and page faults each time)
-        self._recv_buffers: dict[int, object] = {}
+        self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
+        self._pending_sends: list[tuple[int, int, int, Handle]] = []  # peer, layer, mb, handle
+        # FFN side: two receive buffers used in turn, so the receive of the next
+        # layer/micro-batch lands in one while the other is computed; each grows as needed
+        # (a fresh large tensor per layer costs an mmap and page faults each time)
+        self._ring: list[object | None] = [None, None]
+        self._ring_next = 0
 
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
@@ -174,7 +252,7 @@ class PointToPointConnector(AFDConnector):
                 return
             self._closed = True
             transport = self._transport
-        if self.config.is_attention:
+        if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
                 self._send_words(
                     ControlMessage(
@@ -185,12 +263,11 @@ class PointToPointConnector(AFDConnector):
                         self.wire.dtype,
                         ControlFlag.SHUTDOWN,
                     ).encode()
-                )
+                ).wait()
             except Exception:
                 logger.debug("AFD %s: goodbye not delivered", self._me(), exc_info=True)
         transport.close()
 
-    # -- attention side ---------------------------------------------------------------------
     def _require(self, role: str) -> Transport:
         if self._transport is None or self._closed:
             raise AFDPeerError(f"{self._me()}: connector is not initialized or already closed")
@@ -198,13 +275,21 @@ class PointToPointConnector(AFDConnector):
             raise RuntimeError(f"{self._me()}: this call belongs to the {role} side")
         return self._transport
 
-    def _send_words(self, words: list[int]) -> None:
+    # -- attention side ---------------------------------------------------------------------
+    def _send_words(self, words: list[int]) -> Handle:
         import torch
 
-        self._transport.send_control(torch.tensor(words, dtype=torch.int64), 0)
+        return self._transport.isend_control(torch.tensor(words, dtype=torch.int64), 0)
 
-    def send_control(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage:
-        self._require("attention")
+    def begin_step(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage:
+        import torch
+
+        t = self._require("attention")
+        if self._current is not None:
+            raise AFDPeerError(
+                f"{self._me()}: step {self._current.number} was neither ended nor aborted "
+                "before the next one began"
+            )
         msg = ControlMessage(
             self.role_rank,
             self._step,
@@ -213,73 +298,230 @@ class PointToPointConnector(AFDConnector):
             self.wire.dtype,
             ControlFlag(flags),
         )
+        words = msg.encode()  # validates before anything is sent
+        status_buf = torch.empty(STATUS_LEN, dtype=torch.uint8)
         try:
-            self._send_words(msg.encode())
+            # the status receive first: the FFN rank may answer before the control send
+            # is reported complete here
+            status = t.irecv(status_buf, 0, STATUS_TAG)
+            control = self._send_words(words)
         except TransportError as exc:
             raise AFDPeerError(
                 f"{self._me()} could not start step {self._step} with {self._peer_name(0)}: {exc}"
             ) from None
+        self._current = _AttentionStep(
+            number=self._step,
+            rows=msg.tokens,
+            control=control,
+            status_buf=status_buf,
+            status=status,
+            next_layer=[0] * len(msg.tokens),
+            inflight={},
+        )
         self._step += 1
-        self._pending = dict(enumerate(msg.tokens))
         return msg
 
-    def send_attn_output(self, hidden_states, layer, microbatch=0, router_logits=None) -> None:
+    def _step_or_raise(self) -> _AttentionStep:
+        if self._current is None:
+            raise AFDPeerError(f"{self._me()}: no step is in flight (begin_step first)")
+        return self._current
+
+    def start_exchange(
+        self, hidden_states, layer: int, microbatch: int = 0, router_logits=None, out=None
+    ) -> Exchange:
+        import torch
+
         t = self._require("attention")
+        step = self._step_or_raise()
         self.check_tensor(hidden_states)
+        if not 0 <= microbatch < len(step.rows):
+            raise AFDPeerError(
+                f"{self._me()}: micro-batch {microbatch} of step {step.number}, which announced "
+                f"{len(step.rows)} micro-batch(es)"
+            )
         rows = hidden_states.shape[0]
-        if self._pending.get(microbatch) != rows:
+        if step.rows[microbatch] != rows:
             raise AFDPeerError(
                 f"{self._me()}: layer {layer} micro-batch {microbatch} has {rows} rows but the "
-                f"control message announced {self._pending.get(microbatch)}"
+                f"control message of step {step.number} announced {step.rows[microbatch]}"
             )
-        if rows == 0:
-            return
-        try:
-            t.send(hidden_states.contiguous(), 0, data_tag(layer, microbatch, KIND_HIDDEN))
-            if self.wire.router_width:
-                if router_logits is None:
-                    raise AFDPeerError(
-                        f"{self._me()}: layer {layer} has no router logits, but the gate runs on "
-                        "attention (compute_gate_on_attention)"
+        if layer != step.next_layer[microbatch] or microbatch in step.inflight:
+            raise AFDPeerError(
+                f"{self._me()}: micro-batch {microbatch} of step {step.number} exchanged layer "
+                f"{layer}, but layer {step.next_layer[microbatch]} is next (exchanges run in "
+                "layer order, one at a time per micro-batch)"
+            )
+        if self.wire.router_width and router_logits is None:
+            raise AFDPeerError(
+                f"{self._me()}: layer {layer} has no router logits, but the gate runs on "
+                "attention (compute_gate_on_attention)"
+            )
+        if len(step.rows) > 1:
+            # other micro-batches compute while this send is in flight: it gets its own copy
+            # of the rows, whatever memory the model reuses for them
+            hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
+        else:
+            hidden_states = hidden_states.contiguous()
+        if out is None:
+            out = torch.empty_like(hidden_states)
+        handles: list[Handle] = []
+        if rows:
+            try:
+                handles.append(t.irecv(out, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
+                handles.append(t.isend(hidden_states, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
+                if self.wire.router_width:
+                    handles.append(
+                        t.isend(
+                            router_logits.contiguous(),
+                            0,
+                            data_tag(layer, microbatch, KIND_LOGITS),
+                        )
                     )
-                t.send(router_logits.contiguous(), 0, data_tag(layer, microbatch, KIND_LOGITS))
-        except TransportError as exc:
-            raise AFDPeerError(
-                f"{self._me()} sending layer {layer} (micro-batch {microbatch}) of step "
-                f"{self._step - 1} to {self._peer_name(0)}: {exc}"
-            ) from None
+            except TransportError as exc:
+                raise self._exchange_error(step, layer, microbatch, exc) from None
+        ex = Exchange(self, layer, microbatch, out, handles)
+        step.inflight[microbatch] = ex
+        return ex
 
-    def recv_ffn_output(self, hidden_states, layer, microbatch=0):
-        t = self._require("attention")
-        if hidden_states.shape[0] == 0:
-            return hidden_states
-        if not hidden_states.is_contiguous():
-            raise ValueError("recv_ffn_output needs the contiguous buffer that was sent")
+    def _complete_exchange(self, ex: Exchange) -> None:
+        step = self._step_or_raise()
         try:
-            t.recv(hidden_states, 0, data_tag(layer, microbatch, KIND_HIDDEN))
+            for h in ex._handles:
+                h.wait()
+        except TransportError as exc:
+            raise self._exchange_error(step, ex.layer, ex.microbatch, exc) from None
+        finally:
+            ex.done = True
+            step.inflight.pop(ex.microbatch, None)
+        step.next_layer[ex.microbatch] = ex.layer + 1
+
+    def exchange(self, hidden_states, layer: int, microbatch: int = 0, router_logits=None):
+        """Blocking form: send the rows of one layer/micro-batch, return the FFN output."""
+        return self.start_exchange(hidden_states, layer, microbatch, router_logits).wait()
+
+    def _ffn_status_now(self, step: _AttentionStep) -> StepStatus | None:
+        """After a failed exchange: the FFN rank's status for this step if it arrived (its
+        reason for stopping), else None. Only called once the connection already failed,
+        so the short wait cannot hurt a healthy step."""
+        try:
+            step.status.wait(STATUS_GRACE_S)
+            return decode_status(bytes(step.status_buf.numpy()), self.group)
+        except (TransportError, StatusError):
+            return None
+
+    def _exchange_error(self, step, layer, microbatch, exc) -> AFDPeerError:
+        where = f"layer {layer} (micro-batch {microbatch}) of step {step.number}"
+        status = self._ffn_status_now(step)
+        if status is not None and status.code == StatusCode.ABORT:
+            return AFDPeerError(
+                f"{self._me()}: {self._peer_name(0)} stopped the deployment during {where}: "
+                f"{status.reason}"
+            )
+        return AFDPeerError(f"{self._me()} exchanging {where} with {self._peer_name(0)}: {exc}")
+
+    def end_step(self) -> None:
+        """Finish the step in flight: every micro-batch exchanged every layer, and the FFN
+        rank computed them all. AFDStepError if the FFN rank reported the step failed."""
+        step = self._step_or_raise()
+        missing = [
+            f"micro-batch {mb} stopped at layer {n}"
+            for mb, n in enumerate(step.next_layer)
+            if step.rows[mb] and n != self.wire.num_exchange_layers
+        ]
+        if missing or step.inflight:
+            raise AFDPeerError(
+                f"{self._me()}: step {step.number} ended before all "
+                f"{self.wire.num_exchange_layers} layers were exchanged: "
+                + "; ".join(missing or [f"micro-batch(es) {sorted(step.inflight)} in flight"])
+            )
+        status = self._finish(step)
+        if status.code == StatusCode.STEP_FAILED:
+            raise AFDStepError(
+                f"{self._peer_name(0)} failed {status.where()} for {self._me()}: {status.reason}"
+            )
+
+    def _finish(self, step: _AttentionStep) -> StepStatus:
+        self._current = None
+        where = f"step {step.number}"
+        try:
+            step.control.wait()
+            step.status.wait()
+            status = decode_status(bytes(step.status_buf.numpy()), self.group)
         except TransportError as exc:
             raise AFDPeerError(
-                f"{self._me()} waiting for {self._peer_name(0)} to return layer {layer} "
-                f"(micro-batch {microbatch}) of step {self._step - 1}: {exc}"
+                f"{self._me()} waiting for {self._peer_name(0)} to end {where}: {exc}"
             ) from None
-        return hidden_states
+        except StatusError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        if status.code == StatusCode.ABORT:
+            raise AFDPeerError(
+                f"{self._me()}: {self._peer_name(0)} stopped the deployment at {where}: "
+                f"{status.reason}"
+            )
+        if status.step != step.number:
+            raise AFDPeerError(
+                f"{self._me()}: {self._peer_name(0)} ended step {status.step}, but this rank "
+                f"is at step {step.number}"
+            )
+        return status
+
+    def abort_step(self) -> str:
+        """Finish the step in flight after a local failure: complete what is in flight,
+        exchange rows of zeros for every layer not yet exchanged, and take the status, so
+        the FFN rank stays in step and the next step can run. Returns where each
+        micro-batch had stopped; AFDPeerError if the transport cannot (then the deployment
+        cannot go on)."""
+        import torch
+
+        step = self._current
+        if step is None:
+            return ""
+        stopped = ", ".join(
+            f"micro-batch {mb} at layer {n}"
+            for mb, n in enumerate(step.next_layer)
+            if step.rows[mb]
+        )
+        dtype = getattr(torch, self.wire.dtype)
+        for mb in sorted(step.inflight):
+            ex = step.inflight[mb]
+            ex.wait()
+        for mb, rows in enumerate(step.rows):
+            if not rows:
+                continue
+            zeros = torch.zeros(rows, self.wire.hidden_size, dtype=dtype)
+            logits = (
+                torch.zeros(rows, self.wire.router_width, dtype=torch.float32)
+                if self.wire.router_width
+                else None
+            )
+            for layer in range(step.next_layer[mb], self.wire.num_exchange_layers):
+                self.start_exchange(zeros, layer, mb, logits).wait()
+        self._finish(step)
+        return stopped
 
     # -- FFN side ------------------------------------------------------------------------------
-    def recv_control(self) -> list[ControlMessage]:
+    def recv_control(self) -> StepPlan:
+        """Every live peer's control message for the next step (their receives are posted
+        together, so one late peer does not hold up the others' messages)."""
         import torch
 
         t = self._require("ffn")
-        messages: list[ControlMessage] = []
-        buf = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
-        for i, peer in enumerate(self.peers):
+        posted = []
+        for i, _peer in enumerate(self.peers):
             if not self._active_peers[i]:
                 continue
+            buf = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
             try:
-                t.recv_control(buf, i + 1)
+                posted.append((i, buf, t.irecv_control(buf, i + 1)))
             except TransportError as exc:
-                raise AFDPeerError(
-                    f"{self._me()} waiting for the next step from attention rank {peer}: {exc}"
-                ) from None
+                raise self._control_error(i, exc) from None
+        messages: list[ControlMessage] = []
+        for i, buf, handle in posted:
+            peer = self.peers[i]
+            try:
+                handle.wait()
+            except TransportError as exc:
+                raise self._control_error(i, exc) from None
             expect = Expectation(
                 peer, self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i]
             )
@@ -287,93 +529,219 @@ class PointToPointConnector(AFDConnector):
                 msg = decode(buf.tolist(), expect)
             except ControlError as exc:
                 raise AFDPeerError(f"{self._me()}: {exc}") from None
+            if msg.step != self._peer_step[i]:
+                raise AFDPeerError(
+                    f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
+                    f"{self._peer_step[i]} is next for it (a control message was lost or sent "
+                    "twice; the two sides are out of step)"
+                )
             if msg.is_shutdown:
                 self._active_peers[i] = False
                 logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
+            else:
+                self._peer_step[i] += 1
             messages.append(msg)
-        live = [m for m in messages if not m.is_shutdown]
-        if live and len({m.num_microbatches for m in live}) != 1:
-            raise AFDPeerError(
-                f"{self._me()}: peers disagree on the number of micro-batches: "
-                + ", ".join(f"attention rank {m.sender_rank}: {m.num_microbatches}" for m in live)
+        by_peer = {m.sender_rank: m for m in messages if not m.is_shutdown}
+        # peers may split into different numbers of micro-batches: the FFN rank serves the
+        # most any peer announced, and a peer with fewer sends no rows in the rest
+        n_mb = max((m.num_microbatches for m in by_peer.values()), default=0)
+        rows = tuple(
+            tuple(
+                by_peer[p].tokens[mb] if p in by_peer and mb < by_peer[p].num_microbatches else 0
+                for p in self.peers
             )
-        # rows of a peer that left count as 0: it sends nothing more
-        n_mb = live[0].num_microbatches if live else 0
-        by_peer = {m.sender_rank: m for m in live}
-        self._rows = [
-            tuple(by_peer[p].tokens[mb] if p in by_peer else 0 for p in self.peers)
             for mb in range(n_mb)
-        ]
-        self._step += 1
-        return messages
+        )
+        flags = ControlFlag.NONE
+        for m in by_peer.values():
+            flags |= m.flags
+        self._plan = StepPlan(self._step, tuple(messages), rows, flags)
+        return self._plan
+
+    def _control_error(self, i: int, exc) -> AFDPeerError:
+        return AFDPeerError(
+            f"{self._me()} waiting for the next step from attention rank {self.peers[i]}: {exc}"
+        )
 
     @property
     def all_peers_left(self) -> bool:
         return not any(self._active_peers)
 
     def rows_per_peer(self, microbatch: int) -> tuple[int, ...]:
-        return self._rows[microbatch]
+        return self._require_plan().rows[microbatch]
 
-    def recv_attn_output(self, layer, microbatch=0) -> FFNBatch:
+    def _require_plan(self) -> StepPlan:
+        if self._plan is None:
+            raise AFDPeerError(f"{self._me()}: no step in flight (recv_control first)")
+        return self._plan
+
+    def post_attn_output(self, layer: int, microbatch: int = 0) -> PendingBatch:
+        """Post the receives of every peer's rows of one layer/micro-batch."""
         import torch
 
         t = self._require("ffn")
-        rows = self._rows[microbatch]
+        plan = self._require_plan()
+        rows = plan.rows[microbatch]
         total = sum(rows)
-        hidden = self._recv_buffer(microbatch, total)
+        hidden = self._ring_buffer(total)
         logits = (
             torch.empty(total, self.wire.router_width, dtype=torch.float32)
             if self.wire.router_width
             else None
         )
+        handles = []
         off = 0
         for i, n in enumerate(rows):
             if n == 0:
                 continue
             try:  # straight into the concatenated buffer: row slices are contiguous
-                t.recv(hidden[off : off + n], i + 1, data_tag(layer, microbatch, KIND_HIDDEN))
+                tag = data_tag(layer, microbatch, KIND_HIDDEN)
+                handles.append((i, t.irecv(hidden[off : off + n], i + 1, tag)))
                 if logits is not None:
-                    t.recv(logits[off : off + n], i + 1, data_tag(layer, microbatch, KIND_LOGITS))
+                    tag = data_tag(layer, microbatch, KIND_LOGITS)
+                    handles.append((i, t.irecv(logits[off : off + n], i + 1, tag)))
             except TransportError as exc:
-                raise AFDPeerError(
-                    f"{self._me()} waiting for layer {layer} (micro-batch {microbatch}) of step "
-                    f"{self._step - 1} from attention rank {self.peers[i]}: {exc}"
-                ) from None
+                raise self._batch_error(i, layer, microbatch, exc) from None
             off += n
-        return FFNBatch(hidden, logits, rows)
+        return PendingBatch(self, layer, microbatch, FFNBatch(hidden, logits, rows), handles)
 
-    def _recv_buffer(self, microbatch: int, rows: int):
-        """Rows [0, rows) of this micro-batch's buffer; valid until its next receive."""
+    def _complete_batch(self, pending: PendingBatch) -> None:
+        try:
+            for i, handle in pending._handles:
+                try:
+                    handle.wait()
+                except TransportError as exc:
+                    raise self._batch_error(i, pending.layer, pending.microbatch, exc) from None
+        finally:
+            pending.done = True
+
+    def _batch_error(self, i, layer, microbatch, exc) -> AFDPeerError:
+        return AFDPeerError(
+            f"{self._me()} waiting for layer {layer} (micro-batch {microbatch}) of step "
+            f"{self._step} from attention rank {self.peers[i]}: {exc}"
+        )
+
+    def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch:
+        """Blocking form: the peers' rows; valid until the second receive after it."""
+        return self.post_attn_output(layer, microbatch).wait()
+
+    def _ring_buffer(self, rows: int):
+        """Rows [0, rows) of the next receive buffer of the ring."""
         import torch
 
-        buf = self._recv_buffers.get(microbatch)
+        slot = self._ring_next
+        self._ring_next ^= 1
+        buf = self._ring[slot]
         if buf is None or buf.shape[0] < rows:
             capacity = max(rows, 1 if buf is None else 2 * buf.shape[0])
             buf = torch.empty(
                 capacity, self.wire.hidden_size, dtype=getattr(torch, self.wire.dtype)
             )
-            self._recv_buffers[microbatch] = buf
+            self._ring[slot] = buf
         return buf[:rows]
 
-    def send_ffn_output(self, output, layer, microbatch=0) -> None:
+    def send_ffn_output(self, output, layer: int, microbatch: int = 0) -> None:
+        """Send each peer its rows of the output; returns at once (see finish_step)."""
+        import torch
+
         t = self._require("ffn")
         self.check_tensor(output)
-        rows = self._rows[microbatch]
+        rows = self._require_plan().rows[microbatch]
         if output.shape[0] != sum(rows):
             raise AFDPeerError(
                 f"{self._me()}: layer {layer} output has {output.shape[0]} rows, peers sent "
                 f"{sum(rows)}"
             )
-        output = output.contiguous()
+        plan = self._require_plan()
+        if plan.num_microbatches > 1 or any(
+            b is not None and _shares_memory(output, b) for b in self._ring
+        ):
+            # The send is in flight while the next micro-batch computes, and compute may
+            # return memory its next call reuses (vLLM's modular fused MoE writes into a
+            # buffer of its workspace manager) or a receive buffer of the ring: the send
+            # gets its own copy.
+            output = output.clone(memory_format=torch.contiguous_format)
+        else:
+            output = output.contiguous()
         off = 0
         for i, n in enumerate(rows):
             if n == 0:
                 continue
             try:
-                t.send(output[off : off + n], i + 1, data_tag(layer, microbatch, KIND_HIDDEN))
+                tag = data_tag(layer, microbatch, KIND_HIDDEN)
+                handle = t.isend(output[off : off + n], i + 1, tag)
             except TransportError as exc:
-                raise AFDPeerError(
-                    f"{self._me()} returning layer {layer} (micro-batch {microbatch}) to "
-                    f"attention rank {self.peers[i]}: {exc}"
-                ) from None
+                raise self._return_error(i, layer, microbatch, exc) from None
+            self._pending_sends.append((i, layer, microbatch, handle))
             off += n
+
+    def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
+        return AFDPeerError(
+            f"{self._me()} returning layer {layer} (micro-batch {microbatch}) of step "
+            f"{self._step} to attention rank {self.peers[i]}: {exc}"
+        )
+
+    def finish_step(self, failure: StepStatus | None = None) -> None:
+        """End the step: every output delivered, and each live peer told how it went."""
+        import torch
+
+        t = self._require("ffn")
+        plan = self._require_plan()
+        status = failure or StepStatus(self._step, ffn_rank=self.role_rank)
+        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
+        live = [i for i, p in enumerate(self.peers) if any(m.sender_rank == p for m in plan.live)]
+        handles = []
+        try:
+            for i in live:
+                handles.append((i, t.isend(payload, i + 1, STATUS_TAG)))
+            for i, layer, mb, handle in self._pending_sends:
+                try:
+                    handle.wait()
+                except TransportError as exc:
+                    raise self._return_error(i, layer, mb, exc) from None
+            for i, handle in handles:
+                try:
+                    handle.wait()
+                except TransportError as exc:
+                    raise AFDPeerError(
+                        f"{self._me()} ending step {self._step} with attention rank "
+                        f"{self.peers[i]}: {exc}"
+                    ) from None
+        finally:
+            self._pending_sends.clear()
+            self._plan = None
+            self._step += 1
+
+    def abort(self, reason: str) -> None:
+        """Tell every live peer this FFN rank stops (best effort), so they stop at once
+        with this reason instead of seeing a closed connection only."""
+        import torch
+
+        t = self._transport
+        if t is None or self._closed:
+            return
+        status = StepStatus(self._step, StatusCode.ABORT, ffn_rank=self.role_rank, reason=reason)
+        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
+        handles = []
+        for i, _ in enumerate(self.peers):
+            if not self._active_peers[i]:
+                continue
+            try:
+                handles.append(t.isend(payload, i + 1, STATUS_TAG))
+            except Exception:  # noqa: BLE001 - the peer may be gone already
+                logger.debug("AFD %s: abort not delivered", self._me(), exc_info=True)
+        # A peer inside a step has the status receive posted and takes it at once; an idle
+        # peer never will, so wait only briefly before this rank goes down.
+        deadline = time.monotonic() + ABORT_DELIVERY_S
+        for handle in handles:
+            try:
+                handle.wait(max(deadline - time.monotonic(), 0.01))
+            except TransportError:
+                pass
+
+
+def _shares_memory(a, b) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from afd_core.connectors.options import GlooOptions
+from afd_core.errors import AFDConfigError
 from afd_core.topology import validate_point_to_point
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ class ConnectorSpec:
     extra_rules: Callable[[AFDConfig], None] = field(default=_no_extra_rules)
 
     def parse_extra(self, raw: Any) -> BaseModel:
-        from afd_core.config import AFDConfigError
-
         if not isinstance(raw, dict):
             raise AFDConfigError(
                 f"afd config: connector_extra_config={raw!r} is invalid: expected a JSON "
@@ -70,8 +69,6 @@ class ConnectorSpec:
 
 
 def _gloo_rules(config: AFDConfig) -> None:
-    from afd_core.config import AFDConfigError
-
     if config.async_dp:
         raise AFDConfigError(
             "afd config: async_dp=True is not supported by connector 'gloo' (it steps "
@@ -101,8 +98,6 @@ def connector_spec(name: str) -> ConnectorSpec:
     try:
         return _SPECS[name]
     except KeyError:
-        from afd_core.config import AFDConfigError
-
         raise AFDConfigError(
             f"afd config: connector={name!r} is unknown; allowed: {', '.join(_SPECS)}",
             "connector",
@@ -114,8 +109,6 @@ def default_connector_for(device_type: str) -> str:
     for spec in _SPECS.values():
         if device_type in spec.device_types:
             return spec.name
-    from afd_core.config import AFDConfigError
-
     raise AFDConfigError(
         f"afd config: no connector given and none is available yet for platform "
         f"{device_type!r}; available connectors: "

@@ -3,6 +3,10 @@
 A transport knows nothing of layers, control messages or topology: the connector logic
 (`p2p.py`) does. CPU gloo is one transport; accelerator transports (NCCL, HCCL) plug in here.
 Group-local ranks: the FFN rank is 0, its attention peers are 1..n.
+
+Every operation is non-blocking: it is posted at once and returns a `Handle` whose `wait()`
+completes it (raising TransportError naming the cause). The tensor of an operation must not
+be touched by the caller until its handle completed. The blocking calls are thin wrappers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,22 @@ if TYPE_CHECKING:
 
 class TransportError(RuntimeError):
     """A send or receive that failed: the peer closed the connection or did not answer."""
+
+
+class Handle(ABC):
+    """One posted send or receive."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the operation completed, at most timeout_s (default: the transport's
+        own bound); TransportError if it failed or did not complete in time."""
+
+
+class Completed(Handle):
+    """An operation with nothing to move (zero rows)."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        return None
 
 
 class Transport(ABC):
@@ -36,15 +56,28 @@ class Transport(ABC):
         """Wait until `count` ranks of the deployment reached `key` in the rendezvous store."""
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None: ...
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
 
     @abstractmethod
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        """Receive in place, waiting at most the transport's step timeout."""
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        """Receive in place; the handle's wait is bounded by the transport's step timeout."""
 
     @abstractmethod
-    def send_control(self, tensor: torch.Tensor, peer: int) -> None: ...
+    def isend_control(self, tensor: torch.Tensor, peer: int) -> Handle: ...
 
     @abstractmethod
-    def recv_control(self, tensor: torch.Tensor, peer: int) -> None:
+    def irecv_control(self, tensor: torch.Tensor, peer: int) -> Handle:
         """Receive a control message; may wait as long as the peer stays idle."""
+
+    # blocking forms
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.isend(tensor, peer, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.irecv(tensor, peer, tag).wait()
+
+    def send_control(self, tensor: torch.Tensor, peer: int) -> None:
+        self.isend_control(tensor, peer).wait()
+
+    def recv_control(self, tensor: torch.Tensor, peer: int) -> None:
+        self.irecv_control(tensor, peer).wait()

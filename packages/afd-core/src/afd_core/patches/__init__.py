@@ -11,4 +11,5 @@ CORE_PATCHES = (
     "async_dp_forward_context",
     "config_validation",
     "engine_core",
+    "step_failure",
 )

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
+from afd_core.registration import StepStatus, patch_step, record
 from afd_core.version_gate import SUPPORTED_VLLM_VERSION, installed_vllm, is_supported
 
 
@@ -48,6 +51,26 @@ def replace_attr(owner: Any, name: str, new: Any) -> Any:
         _originals[key] = orig
         setattr(owner, name, new)
         return orig
+
+
+def install(info: PatchInfo, owner: Any, name: str, new: Any) -> None:
+    """Replace owner.name by `new` (marked as this patch's) and record the patch applied."""
+    new.__afd_patch__ = info.name
+    replace_attr(owner, name, new)
+    record(patch_step(info.name), StepStatus.APPLIED, "")
+
+
+def apply_when_imported(
+    info: PatchInfo, module: str, patch: Callable[[ModuleType], None], why_deferred: str
+) -> tuple[StepStatus, str]:
+    """Apply `patch(module)` now if vLLM imported the module already, else right after it
+    does (a failure then is recorded under the patch's step)."""
+    require_supported_vllm(info.name)
+    from afd_core.patches.import_hooks import when_imported
+
+    if when_imported(module, patch, step=patch_step(info.name)):
+        return StepStatus.APPLIED, ""
+    return StepStatus.DEFERRED, f"applied when {module} is imported ({why_deferred})"
 
 
 def original(owner: Any, name: str) -> Any:

@@ -10,19 +10,33 @@ socket exists. For a config with an `afd` key it:
   or num_ffn_ranks (FFN, TP 1), eager execution on CPU;
 * maps worker class `auto` to the AFD worker of the role; an explicit `--worker-cls` that
   is not that worker is an error naming both;
-* on the FFN role, turns prefix caching off (an engine with no KV cache groups needs it off).
+* on the FFN role, turns prefix caching off (an engine with no KV cache groups needs it off);
+* resolves micro-batching (DBO) before the platform sees vLLM's flags (the CPU platform
+  drops `--enable-dbo` with a warning; vLLM's own micro-batching is CUDA-only and needs a
+  DeepEP all2all backend): an attention server's m comes from `afd.num_microbatches`, else
+  `--enable-dbo` (2) or `--ubatch-size`; it is written back into the `afd` config every
+  process receives, and vLLM's flags are turned off, because AFD's step engine does the
+  splitting; a flag that cannot apply (DBO on an FFN server, m out of 1..4, thresholds
+  below m, a conflicting m) stops start-up;
+* rejects what AFD cannot run yet: speculative decoding, attention tensor parallelism.
 
 Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 """
 
 from __future__ import annotations
 
+from afd_core.config import AFD_KEY
+from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.log import get_logger
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
 from afd_core.registration import StepStatus
 
+logger = get_logger(__name__)
+
 INFO = PatchInfo(
     name="config_validation",
-    why="validate the afd config and map worker class 'auto' to the AFD role worker",
+    why="validate the afd config, map worker class 'auto' to the AFD role worker, and take "
+    "over vLLM's DBO flags for AFD's micro-batching",
     replaces=("vllm.platforms.cpu.CpuPlatform.check_and_update_config",),
     remove_when="vLLM lets a plugin choose the worker class per config (no such hook in 0.32)",
 )
@@ -32,6 +46,51 @@ class AFDDeploymentError(ValueError):
     pass
 
 
+def resolve_microbatches(afd, pc) -> int:
+    """Micro-batches per step for this server; raises naming the flags that conflict."""
+    asked = []
+    if pc.enable_dbo:
+        asked.append("--enable-dbo")
+    if pc.ubatch_size > 1:
+        asked.append(f"--ubatch-size={pc.ubatch_size}")
+    if afd.num_microbatches is not None and afd.num_microbatches > 1:
+        asked.append(f"afd.num_microbatches={afd.num_microbatches}")
+    if afd.is_ffn:
+        if asked:
+            raise AFDDeploymentError(
+                f"AFD: {', '.join(asked)} on an FFN server: micro-batching (DBO) is set on the "
+                "attention servers, and an FFN server serves whatever micro-batches its peers "
+                "announce; remove it from the FFN server"
+            )
+        return 1
+    m = afd.num_microbatches
+    if m is None:
+        m = pc.num_ubatches if pc.use_ubatching else 1
+    elif pc.ubatch_size > 1 and pc.ubatch_size != m:
+        raise AFDDeploymentError(
+            f"AFD: --ubatch-size={pc.ubatch_size} and afd.num_microbatches={m} disagree; "
+            "give one of them"
+        )
+    elif m == 1 and pc.enable_dbo:
+        raise AFDDeploymentError(
+            "AFD: --enable-dbo asks for micro-batches but afd.num_microbatches=1 for none; "
+            "drop one of them (afd.num_microbatches 2..4 sets how many with --enable-dbo)"
+        )
+    if not 1 <= m <= MAX_MICROBATCHES:
+        raise AFDDeploymentError(
+            f"AFD: {m} micro-batches per step ({', '.join(asked)}); allowed 1..{MAX_MICROBATCHES}"
+        )
+    low = min(pc.dbo_decode_token_threshold, pc.dbo_prefill_token_threshold)
+    if m > 1 and low < m:
+        raise AFDDeploymentError(
+            f"AFD: --dbo-decode-token-threshold={pc.dbo_decode_token_threshold} and "
+            f"--dbo-prefill-token-threshold={pc.dbo_prefill_token_threshold} must both be at "
+            f"least the number of micro-batches ({m}): a step is split only when every "
+            "micro-batch can get a token"
+        )
+    return m
+
+
 def validate_deployment(afd, vllm_config, device_type: str) -> None:
     pc = vllm_config.parallel_config
     workers = pc.data_parallel_size * pc.tensor_parallel_size
@@ -39,6 +98,20 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
         raise AFDDeploymentError(
             f"AFD: --pipeline-parallel-size={pc.pipeline_parallel_size} is not supported; "
             "allowed: 1"
+        )
+    if vllm_config.speculative_config is not None:
+        method = getattr(vllm_config.speculative_config, "method", None)
+        raise AFDDeploymentError(
+            f"AFD: speculative decoding (--speculative-config, method {method!r}) is not "
+            "supported yet: its draft/MTP layers' MLPs would be sent to the FFN ranks, which "
+            "do not hold them; start without --speculative-config"
+        )
+    if afd.is_attention and pc.tensor_parallel_size != 1:
+        raise AFDDeploymentError(
+            f"AFD: an attention server with --tensor-parallel-size={pc.tensor_parallel_size} "
+            "is not supported yet: every tensor-parallel rank holds all rows after attention "
+            f"and would send them to the FFN ranks {pc.tensor_parallel_size} times; allowed: "
+            "1 (scale attention with --data-parallel-size instead)"
         )
     if afd.is_attention and workers != afd.num_attention_ranks:
         raise AFDDeploymentError(
@@ -77,7 +150,20 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
         check_supported(afd)
         validate_deployment(afd, vllm_config, cls.device_type)
         pc = vllm_config.parallel_config
+        m = resolve_microbatches(afd, pc)
         pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, afd.role)
+        if afd.is_attention:
+            vllm_config.additional_config[AFD_KEY]["num_microbatches"] = m
+            if m > 1:
+                logger.info(
+                    "AFD: %d micro-batches per step above %d decode / %d prefill tokens",
+                    m,
+                    pc.dbo_decode_token_threshold,
+                    pc.dbo_prefill_token_threshold,
+                )
+        # AFD's step engine splits steps; vLLM's micro-batching stays off
+        pc.enable_dbo = False
+        pc.ubatch_size = 0
         if afd.is_ffn:
             vllm_config.cache_config.enable_prefix_caching = False
     original(vllm_config)

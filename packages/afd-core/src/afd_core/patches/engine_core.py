@@ -12,7 +12,7 @@ process, to answer HTTP 400 on the FFN role.
 
 from __future__ import annotations
 
-from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
+from afd_core.patches.catalogue import PatchInfo, apply_when_imported, install
 from afd_core.registration import StepStatus
 
 INFO = PatchInfo(
@@ -48,8 +48,6 @@ def _patch(module) -> None:
 
     from vllm.exceptions import GracefulHTTPError
 
-    from afd_core.registration import patch_step, record
-
     async_llm = module.AsyncLLM
     original = async_llm.check_admission
 
@@ -58,20 +56,9 @@ def _patch(module) -> None:
             raise GracefulHTTPError(FFN_REJECTION, HTTPStatus.BAD_REQUEST)
         return original(self, n, request_id)
 
-    check_admission.__afd_patch__ = INFO.name
-    try:
-        replace_attr(async_llm, "check_admission", check_admission)
-    except Exception as exc:
-        record(patch_step(INFO.name), StepStatus.FAILED, f"{type(exc).__name__}: {exc}")
-        raise
-    record(patch_step(INFO.name), StepStatus.APPLIED, "")
+    install(INFO, async_llm, "check_admission", check_admission)
 
 
 def apply() -> tuple[StepStatus, str]:
-    require_supported_vllm(INFO.name)
-    from afd_core.patches.import_hooks import when_imported
-
-    if when_imported(ASYNC_LLM_MODULE, _patch):
-        return StepStatus.APPLIED, ""
     # AsyncLLM costs ~1.5 s to import; only API-server processes import (and need) it
-    return StepStatus.DEFERRED, f"applied when {ASYNC_LLM_MODULE} is imported"
+    return apply_when_imported(INFO, ASYNC_LLM_MODULE, _patch, "API-server processes")

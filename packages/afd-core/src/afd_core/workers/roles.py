@@ -1,10 +1,10 @@
 """Role logic shared by every platform's AFD workers.
 
-`AttentionRole`: builds the connector, installs it for the model's FFN proxies, and sends
-the per-step control message from a forward pre-hook on the model, the one point every
-forward (real steps, DP dummy batches, profiling runs) passes through.
-`FFNRole`: builds the connector and runs the serving loop in a thread: control message,
-then per layer and micro-batch receive, compute, send, in protocol order.
+`AttentionRole`: builds the connector, installs it for the model's FFN proxies, and puts
+the step wrapper (afd_core.step.wrapper) in place of the runner's model, so every forward
+(real steps, DP dummy batches, profiling runs) is one AFD step, micro-batched when the
+runner planned it.
+`FFNRole`: builds the connector and serves steps in a thread (afd_core.step.ffn).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from afd_core.connectors.factory import build_connector
 from afd_core.log import get_logger
 from afd_core.registration import assert_steps_ok_for
 from afd_core.runtime import install_connector
+from afd_core.step.ffn import FFNStepServer
+from afd_core.step.split import SplitPolicy
+from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
 
 logger = get_logger(__name__)
 
@@ -91,26 +94,37 @@ class _Role:
         self.connector.init()
 
 
-class AttentionRole(_Role):
-    _hook = None
+def split_policy(vllm_config, afd) -> SplitPolicy:
+    """This attention server's micro-batching: m (resolved at start-up into the afd config)
+    and vLLM's DBO thresholds."""
+    pc = vllm_config.parallel_config
+    return SplitPolicy(
+        num_microbatches=afd.num_microbatches or 1,
+        decode_token_threshold=pc.dbo_decode_token_threshold,
+        prefill_token_threshold=pc.dbo_prefill_token_threshold,
+    )
 
-    def attach(self, model) -> None:
-        """Connect to the FFN rank and start announcing every forward of `model`."""
+
+class AttentionRole(_Role):
+    engine: AttentionStepEngine | None = None
+
+    def attach(self, runner, max_microbatches: int) -> None:
+        """Connect to the FFN rank and make every forward of the runner's model one step."""
+        model = runner.model
         self._connect(model)
         install_connector(self.connector)
-        self._hook = model.register_forward_pre_hook(self._announce_step, with_kwargs=True)
-
-    def _announce_step(self, module, args, kwargs):
-        positions = kwargs.get("positions")
-        if positions is None and len(args) > 1:
-            positions = args[1]
-        self.connector.send_control((int(positions.shape[-1]),))
-        return None
+        self.engine = AttentionStepEngine(
+            self.connector,
+            self.vllm_config,
+            split_policy(self.vllm_config, self.config),
+            max_microbatches=max_microbatches,
+        )
+        runner.model = AFDStepWrapper(model, self.engine)
+        runner.afd_engine = self.engine
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self.engine is not None:
+            self.engine.close()
         if self.connector is not None:
             install_connector(None)
             self.connector.close()
@@ -121,52 +135,48 @@ class FFNRole(_Role):
 
     def __init__(self, vllm_config, tp_rank: int):
         super().__init__(vllm_config, tp_rank)
-        self.steps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.server: FFNStepServer | None = None
+        self._fail_next: tuple[int, str] | None = None  # a drill: (layer, reason)
+
+    @property
+    def steps(self) -> int:
+        return self.server.steps if self.server else 0
 
     def attach(self, model, forward_context: Callable[[], contextlib.AbstractContextManager]):
         self.model = model
-        self.layers = model.ffn_layer_indices()
-        self.forward_context = forward_context
         self._connect(model)
+        self.server = FFNStepServer(
+            self.connector, model.ffn_layer_indices(), self._compute, forward_context
+        )
+
+    def _compute(self, layer: int, hidden_states, router_logits):
+        if self._fail_next is not None and self._fail_next[0] == layer:
+            _, reason = self._fail_next
+            self._fail_next = None
+            raise RuntimeError(f"injected FFN step failure ({reason})")
+        return self.model.compute_ffn_output(layer, hidden_states)
+
+    def inject_failure(self, layer: int, reason: str) -> None:
+        """Make the next step's compute fail at `layer` (drills and tests)."""
+        self._fail_next = (layer, reason)
 
     def serve_step(self) -> bool:
-        """One step for all peers; False when every peer has left."""
-        import torch
-
-        messages = self.connector.recv_control()
-        if self.connector.all_peers_left:
-            return False
-        live = [m for m in messages if not m.is_shutdown]
-        if not live:
-            return True
-        n_mb = live[0].num_microbatches
-        with torch.inference_mode(), self.forward_context():
-            for layer in self.layers:
-                for mb in range(n_mb):
-                    batch = self.connector.recv_attn_output(layer, mb)
-                    if batch.hidden_states.shape[0]:
-                        out = self.model.compute_ffn_output(layer, batch.hidden_states)
-                    else:
-                        out = batch.hidden_states
-                    self.connector.send_ffn_output(out, layer, mb)
-        self.steps += 1
-        return True
+        return self.server.serve_step()
 
     def start(self, on_fatal: Callable[[BaseException | None], None]) -> None:
         def loop():
             try:
-                while not self._stop.is_set():
-                    if not self.serve_step():
-                        logger.warning(
-                            "AFD FFN rank %d: every attention peer left the deployment after %d "
-                            "steps; this FFN server stops (restart the deployment to serve again)",
-                            self.rank,
-                            self.steps,
-                        )
-                        on_fatal(None)
-                        return
+                self.server.serve(self._stop)
+                if not self._stop.is_set():
+                    logger.warning(
+                        "AFD FFN rank %d: every attention peer left the deployment after %d "
+                        "steps; this FFN server stops (restart the deployment to serve again)",
+                        self.rank,
+                        self.steps,
+                    )
+                    on_fatal(None)
             except BaseException as exc:  # noqa: BLE001 - reported, then the process stops
                 if self._stop.is_set():
                     return

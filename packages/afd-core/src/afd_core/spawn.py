@@ -3,6 +3,9 @@
 AFD_FORCE_SPAWN_MULTIPROCESSING=1 makes `spawn` the default context and redirects the
 `forkserver` context to it too, for runtimes whose helpers use Python's default context
 (not vLLM's VLLM_WORKER_MULTIPROC_METHOD) and cannot survive forkserver.
+
+It lives with the workers: importing `afd_core.workers` applies it (runtimes that import a
+worker class directly never call the entry point), and so do `afd_plugin` and register_afd.
 """
 
 from __future__ import annotations

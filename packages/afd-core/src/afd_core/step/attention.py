@@ -1,0 +1,58 @@
+"""The attention side of a step: announce it, run its micro-batches, end it or clean it up.
+
+One step = one control message (rows per micro-batch, flags), the micro-batches' forward
+passes (one runs in the calling thread; several run on the MicrobatchExecutor, switching at
+the DBO yield op), and the FFN rank's status. A failure inside the step on this rank
+(attention compute, a micro-batch thread) is finished in protocol with rows of zeros
+(`abort_step`) and raised as AFDStepError: that step's requests fail and the next step runs.
+A failure the transport cannot survive is AFDPeerError: the deployment stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from afd_core.connectors.base import AFDConnector, AFDPeerError, AFDStepError
+from afd_core.log import get_logger
+from afd_core.step.microbatch import MicrobatchExecutor
+
+logger = get_logger(__name__)
+
+# set on the ModelRunnerOutput of a step that failed in AFD but left the protocol in step:
+# the scheduler (patches/step_failure.py) then fails exactly that step's requests
+STEP_FAILURE_ATTR = "afd_step_failure"
+
+
+class AttentionStepDriver:
+    def __init__(self, connector: AFDConnector, executor: MicrobatchExecutor | None = None):
+        self.connector = connector
+        self.executor = executor or MicrobatchExecutor()
+
+    def run(
+        self, rows: Sequence[int], jobs: Sequence[Callable[[], Any]], flags: int = 0
+    ) -> list[Any]:
+        """Run one step whose micro-batch i has rows[i] rows and is computed by jobs[i]."""
+        if len(rows) != len(jobs):
+            raise ValueError(f"{len(jobs)} micro-batch jobs for {len(rows)} announced")
+        conn = self.connector
+        msg = conn.begin_step(tuple(rows), flags)
+        try:
+            results = [jobs[0]()] if len(jobs) == 1 else self.executor.run(jobs)
+            conn.end_step()
+            return results
+        except (AFDPeerError, AFDStepError):
+            raise
+        except BaseException as exc:
+            try:
+                stopped = conn.abort_step()
+            except AFDPeerError as fatal:
+                raise fatal from exc
+            raise AFDStepError(
+                f"attention rank {conn.role_rank}: step {msg.step} failed on this rank "
+                f"({stopped}): {type(exc).__name__}: {exc}; the rest of the step was "
+                "exchanged as zeros, so the FFN rank is in step for the next one"
+            ) from exc
+
+    def close(self) -> None:
+        self.executor.close()

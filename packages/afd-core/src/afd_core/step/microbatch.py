@@ -1,0 +1,174 @@
+"""Run a step's micro-batches on persistent threads that hand a baton at the DBO yield op.
+
+Exactly one micro-batch thread runs at a time. Micro-batch i runs until its FFN proxy has
+started a layer's exchange (receive posted, rows sent) and calls the yield op; the baton
+then goes to the next unfinished micro-batch, whose attention runs while the FFN ranks
+compute i's rows. So attention compute on this side overlaps FFN compute on the other:
+the ping-pong of dual-batch overlap, for any m. vLLM's own micro-batching (UBatchWrapper)
+is CUDA-only and starts new threads every step; this executor keeps its threads.
+
+When a micro-batch raises, every other one is released from its wait and unwinds with
+MicrobatchAborted, and `run` re-raises the first error: a failure never leaves a thread
+waiting for a baton that will not come. No torch here; `on_resume` lets the caller restore
+per-micro-batch state (vLLM's forward context) each time a thread takes the baton.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from afd_core.step.split import MAX_MICROBATCHES
+
+
+class MicrobatchAborted(RuntimeError):
+    """Raised inside a micro-batch thread released because another micro-batch failed."""
+
+
+_local = threading.local()  # .executor, .index: set in micro-batch threads only
+
+
+def current_microbatch() -> int | None:
+    """The index of the micro-batch this thread runs, or None outside micro-batch threads."""
+    return getattr(_local, "index", None)
+
+
+def yield_to_next_microbatch() -> bool:
+    """The yield op's first choice: hand the baton on if this thread is a micro-batch of a
+    running step (True); False when no AFD micro-batching is active on this thread."""
+    executor = getattr(_local, "executor", None)
+    if executor is None:
+        return False
+    executor._yield(_local.index)
+    return True
+
+
+class _Worker:
+    def __init__(self, executor: MicrobatchExecutor, index: int):
+        self.index = index
+        self.baton = threading.Event()  # set: this micro-batch may run
+        self.assigned = threading.Event()  # set: a job is waiting for this thread
+        self.job: Callable[[], Any] | None = None
+        self.thread = threading.Thread(
+            target=executor._serve, args=(self,), name=f"afd-microbatch-{index}", daemon=True
+        )
+        self.thread.start()
+
+
+class MicrobatchExecutor:
+    """Runs up to MAX_MICROBATCHES jobs of one step, one at a time, switching at yields."""
+
+    def __init__(self, on_resume: Callable[[int], None] | None = None):
+        self._on_resume = on_resume or (lambda index: None)
+        self._workers: list[_Worker] = []
+        self._run_lock = threading.Lock()  # one step at a time
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._reset(0)
+
+    def _reset(self, n: int) -> None:
+        self._n = n
+        self._finished = [False] * n
+        self._results: list[Any] = [None] * n
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._all_done = threading.Event()
+
+    # -- the caller's side --------------------------------------------------------------
+    def run(self, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run the jobs as micro-batches 0..n-1 and return their results in order."""
+        n = len(jobs)
+        if not 1 <= n <= MAX_MICROBATCHES:
+            raise ValueError(f"{n} micro-batches; allowed 1..{MAX_MICROBATCHES}")
+        if getattr(_local, "executor", None) is not None:
+            raise RuntimeError("a micro-batch cannot start micro-batches of its own")
+        with self._run_lock:
+            if self._closed:
+                raise RuntimeError("the micro-batch executor is closed")
+            while len(self._workers) < n:
+                self._workers.append(_Worker(self, len(self._workers)))
+            self._reset(n)
+            for worker, job in zip(self._workers, jobs, strict=False):
+                worker.baton.clear()
+                worker.job = job
+                worker.assigned.set()
+            self._workers[0].baton.set()
+            self._all_done.wait()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            return list(self._results)
+
+    def close(self) -> None:
+        """Stop the threads (they are daemons; this only makes shutdown tidy)."""
+        with self._run_lock:
+            self._closed = True
+            for worker in self._workers:
+                worker.job = None
+                worker.assigned.set()
+
+    # -- the micro-batch threads -----------------------------------------------------------
+    def _serve(self, worker: _Worker) -> None:
+        _local.executor, _local.index = self, worker.index
+        while True:
+            worker.assigned.wait()
+            worker.assigned.clear()
+            job = worker.job
+            if job is None:  # closed
+                return
+            worker.job = None
+            try:
+                worker.baton.wait()
+                worker.baton.clear()
+                if self._aborted:
+                    raise MicrobatchAborted(f"micro-batch {worker.index} released: step failed")
+                self._on_resume(worker.index)
+                self._results[worker.index] = job()
+            except BaseException as exc:  # noqa: BLE001 - handed to run()
+                self._abort(exc)
+            finally:
+                self._finish(worker.index)
+
+    def _next_unfinished(self, index: int) -> int | None:
+        for step in range(1, self._n):
+            j = (index + step) % self._n
+            if not self._finished[j]:
+                return j
+        return None
+
+    def _yield(self, index: int) -> None:
+        with self._state_lock:
+            nxt = self._next_unfinished(index)
+        if nxt is None:
+            return  # the others are done: keep the baton
+        me = self._workers[index]
+        self._workers[nxt].baton.set()
+        me.baton.wait()
+        me.baton.clear()
+        if self._aborted:
+            raise MicrobatchAborted(f"micro-batch {index} released: another micro-batch failed")
+        self._on_resume(index)
+
+    def _finish(self, index: int) -> None:
+        with self._state_lock:
+            self._finished[index] = True
+            nxt = self._next_unfinished(index)
+            done = all(self._finished)
+        if done:
+            self._all_done.set()
+        elif nxt is not None and not self._aborted:
+            self._workers[nxt].baton.set()
+
+    def _abort(self, exc: BaseException) -> None:
+        with self._state_lock:
+            # the first real error wins; a released micro-batch's MicrobatchAborted only
+            # stands in until then
+            if self._error is None or (
+                isinstance(self._error, MicrobatchAborted)
+                and not isinstance(exc, MicrobatchAborted)
+            ):
+                self._error = exc
+            self._aborted = True
+        for worker in self._workers[: self._n]:
+            worker.baton.set()

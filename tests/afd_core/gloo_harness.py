@@ -1,0 +1,75 @@
+"""Real processes talking through the gloo connector: builders and a deployment runner.
+
+Process targets must be importable by spawned children, so they live in test modules or
+here; each puts (key, result) on the queue, a result string starting with "ERROR" failing
+the test with the child's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+HIDDEN = 8
+LAYERS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make(
+    role,
+    rank,
+    a,
+    f,
+    port,
+    timeout=20.0,
+    hidden=HIDDEN,
+    dtype="float32",
+    router_width=0,
+    layers=LAYERS,
+):
+    from afd_core.config import parse_afd_config
+    from afd_core.connectors.base import WireSpec
+    from afd_core.connectors.factory import build_connector
+
+    cfg = parse_afd_config(
+        {
+            "role": role,
+            "port": port,
+            "num_attention_ranks": a,
+            "num_ffn_ranks": f,
+            "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": 30},
+        },
+        device_type="cpu",
+    )
+    wire = WireSpec(hidden, dtype, layers, max_tokens=64, router_width=router_width)
+    return build_connector(cfg, rank, wire)
+
+
+def run_processes(targets_and_args: list[tuple], timeout: float = 120) -> dict:
+    """Start target(*args, queue) for each entry; collect {key: result} from the queue."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=t, args=(*args, q)) for t, *args in targets_and_args]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            key, out = q.get(timeout=timeout)
+            results[key] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def assert_no_errors(results: dict) -> None:
+    errors = [str(v) for v in results.values() if isinstance(v, str) and v.startswith("ERROR")]
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,119 @@
+"""The micro-batch executor: one thread runs at a time, the baton moves at each yield, a
+failure releases every waiting thread and is re-raised, threads are kept between steps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from afd_core.step.microbatch import (
+    MicrobatchExecutor,
+    current_microbatch,
+    yield_to_next_microbatch,
+)
+
+
+def layered_job(trace, layers):
+    def job():
+        mb = current_microbatch()
+        for layer in range(layers):
+            trace.append((mb, layer))
+            assert yield_to_next_microbatch()
+        return (mb, threading.current_thread().name)
+
+    return job
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_round_robin_at_each_yield(m):
+    ex = MicrobatchExecutor()
+    trace: list = []
+    results = ex.run([layered_job(trace, 3) for _ in range(m)])
+    assert [r[0] for r in results] == list(range(m))
+    # layer-major, micro-batch-minor: the order the FFN side serves them in
+    assert trace == [(mb, layer) for layer in range(3) for mb in range(m)]
+    ex.close()
+
+
+def test_threads_are_reused_between_steps_and_resume_hook_runs():
+    resumed = []
+    ex = MicrobatchExecutor(on_resume=resumed.append)
+    first = ex.run([layered_job([], 2) for _ in range(2)])
+    second = ex.run([layered_job([], 2) for _ in range(2)])
+    assert [r[1] for r in first] == [r[1] for r in second]  # same threads
+    assert resumed.count(0) == resumed.count(1) == 2 * 3  # start + after each of 2 yields
+    ex.close()
+
+
+def test_unequal_micro_batches_finish_in_any_order():
+    ex = MicrobatchExecutor()
+    trace: list = []
+    jobs = [layered_job(trace, n) for n in (1, 4, 2)]
+    assert [r[0] for r in ex.run(jobs)] == [0, 1, 2]
+    assert sorted(trace) == sorted([(0, 0)] + [(1, i) for i in range(4)] + [(2, 0), (2, 1)])
+    ex.close()
+
+
+def test_only_one_microbatch_runs_at_a_time():
+    ex = MicrobatchExecutor()
+    running = []
+    lock = threading.Lock()
+    overlap = []
+
+    def job():
+        for _ in range(5):
+            with lock:
+                running.append(1)
+                if len(running) > 1:
+                    overlap.append(True)
+            running.pop()
+            yield_to_next_microbatch()
+
+    ex.run([job] * 4)
+    assert not overlap
+    ex.close()
+
+
+def test_failure_releases_every_thread_and_is_reraised_then_next_step_runs():
+    ex = MicrobatchExecutor()
+    unwound = []
+
+    def failing():
+        yield_to_next_microbatch()
+        raise ValueError("boom in micro-batch 1")
+
+    def waiting():
+        try:
+            for _ in range(10):
+                yield_to_next_microbatch()
+        except BaseException as exc:
+            unwound.append(type(exc).__name__)
+            raise
+
+    with pytest.raises(ValueError, match="boom in micro-batch 1"):
+        ex.run([waiting, failing, waiting])
+    assert unwound == ["MicrobatchAborted", "MicrobatchAborted"]
+    trace: list = []
+    assert len(ex.run([layered_job(trace, 2)] * 2)) == 2  # the executor is reusable
+    ex.close()
+
+
+def test_yield_outside_microbatch_threads_is_not_taken():
+    assert current_microbatch() is None
+    assert yield_to_next_microbatch() is False
+
+
+def test_limits():
+    ex = MicrobatchExecutor()
+    with pytest.raises(ValueError, match="allowed 1..4"):
+        ex.run([lambda: 0] * 5)
+
+    def nested():
+        return ex.run([lambda: 0])
+
+    with pytest.raises(RuntimeError, match="cannot start micro-batches of its own"):
+        MicrobatchExecutor().run([nested])
+    ex.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ex.run([lambda: 0])

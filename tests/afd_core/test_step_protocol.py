@@ -1,0 +1,236 @@
+"""The step engine across real processes (gloo): micro-batches m = 1..4 on the attention side
+running on the baton threads, an in-order FFN side, peers with different m and zero-row
+micro-batches, a deadlock canary, a wrong step number, and failed steps the deployment
+survives."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+
+from tests.afd_core.gloo_harness import (
+    HIDDEN,
+    assert_no_errors,
+    free_port,
+    make,
+    run_processes,
+)
+
+pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
+
+
+def initial(rank: int, step: int, mb: int, n: int):
+    """Rows whose values say where they come from, so any mix-up shows."""
+    import torch
+
+    h = torch.full((n, HIDDEN), float(rank * 1000 + step * 100 + mb * 10))
+    return h + torch.arange(n, dtype=torch.float32).unsqueeze(1)
+
+
+def expected(rank, step, mb, n, layers):
+    h = initial(rank, step, mb, n)
+    for layer in range(layers):
+        h = (h + 1) * 2 + layer
+    return h
+
+
+def ffn_compute(fail_at):
+    """FFN 'MLP': h * 2 + layer; raises once at (step, layer) in fail_at."""
+    state = {"step": 0}
+
+    def compute(layer, h, _logits):
+        if (state["step"], layer) in fail_at:
+            raise RuntimeError(f"injected FFN failure at layer {layer}")
+        return h * 2 + layer
+
+    return compute, state
+
+
+def ffn_main(rank, a, f, port, layers, timeout, fail_at, q):
+    try:
+        from afd_core.step.ffn import FFNStepServer
+
+        conn = make("ffn", rank, a, f, port, timeout=timeout, layers=layers)
+        conn.init()
+        compute, state = ffn_compute(set(fail_at))
+        server = FFNStepServer(conn, list(range(layers)), compute)
+        rows = []
+        original = conn.recv_control
+
+        def recording():
+            plan = original()
+            state["step"] = plan.step
+            if plan.live:
+                rows.append(plan.rows)
+            return plan
+
+        conn.recv_control = recording
+        try:
+            server.serve(threading.Event())
+        except Exception as exc:
+            q.put((("ffn", rank), f"STOPPED {type(exc).__name__}: {exc}"))
+            return
+        conn.close()
+        q.put((("ffn", rank), {"rows": rows, "failed": server.failed_steps}))
+    except Exception:
+        q.put((("ffn", rank), "ERROR " + traceback.format_exc()))
+
+
+def attn_main(rank, a, f, port, steps, layers, timeout, fail_at, skip_step, q):
+    """steps: rows per micro-batch for each step. fail_at: {(step, mb, layer)} where this
+    rank's attention raises. skip_step: a step number to skip (a protocol bug)."""
+    import torch
+
+    from afd_core.connectors.base import AFDPeerError, AFDStepError
+    from afd_core.step.attention import AttentionStepDriver
+    from afd_core.step.microbatch import yield_to_next_microbatch
+
+    outcome = []
+    try:
+        conn = make("attention", rank, a, f, port, timeout=timeout, layers=layers)
+        conn.init()
+        driver = AttentionStepDriver(conn)
+
+        def job(step, mb, n):
+            def run():
+                h = initial(rank, step, mb, n)
+                for layer in range(layers):
+                    h = h + 1  # "attention"
+                    if (step, mb, layer) in fail_at:
+                        raise RuntimeError(f"injected attention failure at layer {layer}")
+                    ex = conn.start_exchange(h, layer, mb)
+                    yield_to_next_microbatch()
+                    h = ex.wait()
+                return h
+
+            return run
+
+        for step, rows in enumerate(steps):
+            if step == skip_step:
+                conn._step += 1  # a control message that never went out
+            try:
+                out = driver.run(rows, [job(step, mb, n) for mb, n in enumerate(rows)])
+            except AFDStepError as exc:
+                outcome.append(f"step failed: {exc}")
+                continue
+            for mb, n in enumerate(rows):
+                assert torch.equal(out[mb], expected(rank, step, mb, n, layers)), (step, mb)
+            outcome.append("ok")
+        driver.close()
+        conn.close()
+        q.put((("attention", rank), outcome))
+    except AFDPeerError as exc:
+        q.put((("attention", rank), outcome + [f"STOPPED AFDPeerError: {exc}"]))
+    except Exception:
+        q.put((("attention", rank), "ERROR " + traceback.format_exc()))
+
+
+def deploy(a, f, steps_by_rank, layers=3, timeout=20.0, ffn_fail=(), attn_fail=None, skip=None):
+    attn_fail = attn_fail or {}
+    skip = skip or {}
+    port = free_port()
+    targets = [(ffn_main, k, a, f, port, layers, timeout, list(ffn_fail)) for k in range(f)]
+    targets += [
+        (
+            attn_main,
+            r,
+            a,
+            f,
+            port,
+            steps_by_rank[r],
+            layers,
+            timeout,
+            set(attn_fail.get(r, ())),
+            skip.get(r),
+        )
+        for r in range(a)
+    ]
+    return run_processes(targets)
+
+
+@pytest.mark.parametrize(
+    "a,f,steps",
+    [
+        # m = 1..4, zero-row and unequal micro-batches
+        (1, 1, {0: [(5,), (3, 4), (2, 0, 3), (1, 1, 1, 1), (4, 3, 2, 1)]}),
+        # peers announcing different m in the same step, and zero rows
+        (2, 1, {0: [(3, 4), (2,), (1, 1, 1, 1)], 1: [(1, 1, 1, 1), (0, 5, 0), (6,)]}),
+        (
+            4,
+            2,
+            {
+                0: [(2, 2), (1,), (1, 2, 3)],
+                1: [(3,), (0, 2, 2, 2), (4,)],
+                2: [(1, 1, 1), (5,), (2, 2)],
+                3: [(0,), (1, 1), (1, 1, 1, 1)],
+            },
+        ),
+    ],
+    ids=["1A1F", "2A1F", "4A2F"],
+)
+def test_microbatches_every_m_and_shape(a, f, steps):
+    results = deploy(a, f, steps)
+    assert_no_errors(results)
+    from afd_core.topology import Topology
+
+    for r in range(a):
+        assert results[("attention", r)] == ["ok"] * len(steps[r])
+    topo = Topology(a, f)
+    for k in range(f):
+        peers = topo.peers_of(k)
+        served = results[("ffn", k)]["rows"]
+        for s, rows in enumerate(served):
+            m = max(len(steps[p][s]) for p in peers)  # the most any peer announced
+            assert len(rows) == m
+            for mb in range(m):
+                want = tuple(
+                    steps[p][s][mb] if mb < len(steps[p][s]) else 0 for p in peers
+                )  # a peer with fewer micro-batches sends no rows in the rest
+                assert rows[mb] == want, (k, s, mb)
+
+
+def test_deadlock_canary_short_timeout_many_layers():
+    """Baton threads against an in-order FFN: a receive posted after its send, or a send
+    that waited for its receive, would stall here and fail within the 3 s timeout."""
+    steps = {0: [(2, 2), (1, 1, 1), (3, 1, 2, 1)] * 3}
+    results = deploy(1, 1, steps, layers=12, timeout=3.0)
+    assert_no_errors(results)
+    assert results[("attention", 0)] == ["ok"] * 9
+
+
+def test_wrong_step_number_stops_both_sides_naming_the_peer():
+    steps = {0: [(2,), (2,), (2,)], 1: [(1, 1), (1, 1), (1, 1)]}
+    results = deploy(2, 1, steps, skip={1: 1})
+    assert_no_errors(results)
+    ffn = results[("ffn", 0)]
+    assert ffn.startswith("STOPPED AFDPeerError"), ffn
+    assert "attention rank 1 announced step 2, but step 1 is next" in ffn
+    for r in (0, 1):
+        out = results[("attention", r)]
+        assert out[0] == "ok", out
+        last = out[-1]
+        # both peers stop at once with the FFN rank's reason, the offending peer named
+        assert last.startswith("STOPPED AFDPeerError"), out
+        assert "FFN rank 0" in last and "stopped the deployment" in last, last
+        assert "attention rank 1 announced step 2" in last, last
+
+
+def test_failed_steps_on_either_side_fail_only_that_step():
+    steps = {0: [(2, 3), (2, 3), (2, 3), (4,)]}
+    results = deploy(
+        1,
+        1,
+        steps,
+        ffn_fail=[(1, 1)],  # FFN compute raises in step 1, layer 1
+        attn_fail={0: [(2, 1, 2)]},  # attention raises in step 2, micro-batch 1, layer 2
+    )
+    assert_no_errors(results)
+    out = results[("attention", 0)]
+    assert out[0] == "ok" and out[3] == "ok", out
+    assert out[1].startswith("step failed") and "FFN rank 0" in out[1], out
+    assert "layer 1" in out[1] and "step 1" in out[1] and "injected FFN failure" in out[1]
+    assert out[2].startswith("step failed") and "step 2 failed on this rank" in out[2], out
+    assert "micro-batch 1 at layer 2" in out[2] and "injected attention failure" in out[2]
+    assert results[("ffn", 0)]["failed"] == 1

@@ -1,0 +1,193 @@
+"""The step wrapper inside a real vLLM forward context, with an in-memory connector: one
+control message per forward, per-micro-batch inputs and forward contexts, the baton at the
+yield op, outputs in order, flags, and the clean-up of a failed step."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+class FakeExchange:
+    def __init__(self, h):
+        self.h = h
+
+    def wait(self):
+        return self.h * 2  # the "FFN"
+
+
+class FakeConnector:
+    role_rank = 0
+
+    def __init__(self):
+        self.steps, self.exchanges, self.aborted, self.ended = [], [], 0, 0
+
+    def begin_step(self, rows, flags=0):
+        from afd_core.connectors.control import ControlMessage
+
+        self.steps.append((tuple(rows), int(flags)))
+        return ControlMessage(0, len(self.steps) - 1, tuple(rows), 8, "float32")
+
+    def start_exchange(self, h, layer, microbatch=0, router_logits=None, out=None):
+        self.exchanges.append((layer, microbatch, h.shape[0]))
+        return FakeExchange(h.clone())
+
+    def end_step(self):
+        self.ended += 1
+
+    def abort_step(self):
+        self.aborted += 1
+        return "micro-batch 1 at layer 0"
+
+
+@pytest.fixture
+def setup():
+    import torch
+    from vllm.forward_context import create_forward_context
+
+    from afd_core.dbo import current_microbatch_id, dbo_yield
+    from afd_core.step.split import SplitPolicy
+    from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
+
+    vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            fast_moe_cold_start=False, static_forward_context={}, static_all_moe_layers=[]
+        )
+    )
+    conn = FakeConnector()
+    seen = []
+
+    class Toy:
+        fail_in = None
+
+        def __call__(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+            from vllm.forward_context import get_forward_context
+
+            ctx = get_forward_context()
+            mb = current_microbatch_id()
+            seen.append((mb, ctx.attn_metadata, ctx.slot_mapping["layer.0"].tolist()))
+            h = input_ids.float().unsqueeze(1)
+            for layer in range(2):
+                h = h + 1
+                if self.fail_in == (mb, layer):
+                    raise ValueError("attention kernel failed")
+                ex = conn.start_exchange(h, layer, mb)
+                dbo_yield(h)
+                h = ex.wait()
+            return h
+
+        def compute_logits(self, h):
+            return h
+
+    engine = AttentionStepEngine(conn, vllm_config, SplitPolicy(2, 2, 2), max_microbatches=4)
+    model = Toy()
+    wrapper = AFDStepWrapper(model, engine)
+
+    def forward(attn_metadata, n=8):
+        ctx = create_forward_context(
+            attn_metadata, vllm_config, slot_mapping={"layer.0": torch.arange(100, 100 + n)}
+        )
+        from vllm.forward_context import override_forward_context
+
+        with override_forward_context(ctx), torch.inference_mode():
+            ids = torch.arange(n)
+            out = wrapper(input_ids=ids, positions=ids, intermediate_tensors=None)
+            from vllm.forward_context import get_forward_context
+
+            assert get_forward_context() is ctx  # the caller's context is back
+            return out
+
+    return SimpleNamespace(
+        engine=engine, conn=conn, seen=seen, forward=forward, model=model, wrapper=wrapper
+    )
+
+
+def expected(n):
+    import torch
+
+    h = torch.arange(n).float().unsqueeze(1)
+    for _ in range(2):
+        h = (h + 1) * 2
+    return h
+
+
+def test_unsplit_forward_is_one_step_of_one_microbatch(setup):
+    import torch
+
+    out = setup.forward({"layer.0": "meta"})
+    assert torch.equal(out, expected(8))
+    assert setup.conn.steps == [((8,), 0)] and setup.conn.ended == 1
+    assert setup.seen == [(0, {"layer.0": "meta"}, list(range(100, 108)))]
+    assert setup.wrapper.compute_logits(3) == 3  # attributes reach the model
+
+
+def test_planned_forward_runs_microbatches_with_their_own_contexts(setup):
+    import torch
+
+    from afd_core.step.split import MicrobatchSlice
+
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    out = setup.forward([{"layer.0": "mb0"}, {"layer.0": "mb1"}])
+    assert torch.equal(out, expected(8))  # concatenated in order
+    assert setup.conn.steps == [((3, 5), 0)]
+    assert sorted(setup.seen, key=lambda s: s[0]) == [
+        (0, {"layer.0": "mb0"}, [100, 101, 102]),
+        (1, {"layer.0": "mb1"}, [103, 104, 105, 106, 107]),
+    ]
+    # the baton moved at each yield: layer-major, micro-batch-minor, like the FFN side
+    assert setup.conn.exchanges == [(0, 0, 3), (0, 1, 5), (1, 0, 3), (1, 1, 5)]
+    assert setup.engine.plan is None  # consumed
+    stats = setup.engine.stats.as_dict()
+    assert stats["by_microbatches"] == {"2": 1} and stats["last_split_rows"] == [3, 5]
+
+
+def test_dummy_forward_carries_its_flag(setup):
+    from afd_core.connectors.control import ControlFlag
+    from afd_core.step.wrapper import StepKind
+
+    setup.engine.kind = StepKind.DUMMY
+    setup.forward({"layer.0": None}, n=1)
+    assert setup.conn.steps == [((1,), int(ControlFlag.DUMMY))]
+    assert setup.engine.stats.as_dict()["by_kind"] == {"dummy": 1}
+
+
+def test_metadata_split_without_a_plan_is_refused(setup):
+    with pytest.raises(RuntimeError, match="attention metadata was split but the step was not"):
+        setup.forward([{"layer.0": "mb0"}, {"layer.0": "mb1"}])
+
+
+def test_failing_microbatch_is_cleaned_up_and_reported(setup):
+    from afd_core.connectors.base import AFDStepError
+    from afd_core.step.split import MicrobatchSlice
+
+    setup.model.fail_in = (1, 1)
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    with pytest.raises(AFDStepError, match="failed on this rank .*attention kernel failed"):
+        setup.forward([{"layer.0": "mb0"}, {"layer.0": "mb1"}])
+    assert setup.conn.aborted == 1 and setup.engine.stats.failed == 1
+    # the next step runs normally on the same threads
+    setup.model.fail_in = None
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    setup.forward([{"layer.0": "mb0"}, {"layer.0": "mb1"}])
+    assert setup.conn.ended == 1
+
+
+def test_injected_failure_hits_the_next_real_step_only(setup):
+    from afd_core.connectors.base import AFDStepError
+
+    setup.engine.inject_failure("drill")
+    with pytest.raises(AFDStepError, match=r"injected attention step failure \(drill\)"):
+        setup.forward({"layer.0": None})
+    setup.forward({"layer.0": None})
+    assert setup.conn.ended == 1 and setup.conn.aborted == 1
+
+
+def test_set_policy_is_bounded_by_what_the_server_built(setup):
+    from afd_core.step.split import SplitPolicy
+
+    setup.engine.max_microbatches = 1
+    with pytest.raises(ValueError, match="started for at most 1; start it with --enable-dbo"):
+        setup.engine.set_policy(SplitPolicy(2))
