@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,23 @@ BACKENDS = {"deepseek_v2": "CPU_MLA", "deepseek_v3": "CPU_MLA", "qwen3_moe": Non
 @pytest.fixture(scope="module")
 def built(checkpoints):
     """(arch, role) -> what the built model holds; each build in a fresh process."""
+    jobs = {
+        (arch, role): [sys.executable, str(PROBE), str(checkpoints(arch)), role]
+        + ([backend] if backend else [])
+        for arch, backend in BACKENDS.items()
+        for role in ("attention", "ffn")
+    }
+
+    def probe(cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    # two at a time: each probe is mostly one core importing vLLM
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(jobs, pool.map(probe, jobs.values()), strict=True))
     out = {}
-    for arch, backend in BACKENDS.items():
-        for role in ("attention", "ffn"):
-            cmd = [sys.executable, str(PROBE), str(checkpoints(arch)), role]
-            cmd += [backend] if backend else []
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert r.returncode == 0, r.stderr[-3000:]
-            out[(arch, role)] = json.loads(r.stdout.strip().splitlines()[-1])
+    for key, r in runs.items():
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[key] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
 
 

@@ -16,6 +16,10 @@ compare exactly (max logprob difference 1e-5), colocated or AFD.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -47,6 +51,9 @@ pytestmark = pytest.mark.e2e
 _ALONE: dict[str, list] = {}  # arch -> colocated results, one request at a time
 
 
+STEP_TIMEOUT_S = 30  # connector timeout_s: a hang would fail within this
+
+
 def afd_pair(model, arch, log_dir, tag, dp=1):
     d = local_deployment(
         model,
@@ -55,6 +62,7 @@ def afd_pair(model, arch, log_dir, tag, dp=1):
         attention_backend=BACKENDS[arch],
         attention_args=DBO_ARGS,
         env=DEV_MODE,
+        afd_extra={"connector_extra_config": {"timeout_s": STEP_TIMEOUT_S}},
         tag=f"{arch}-{tag}-",
     )
     return d["ffn"], d["attention"]
@@ -152,6 +160,38 @@ def test_a_failed_step_fails_its_request_and_the_next_one_is_served(one_to_one, 
     assert d.att.proc.poll() is None and d.ffn.proc.poll() is None
 
 
+def test_dead_ffn_fails_the_request_at_once_and_names_the_peer(one_to_one):
+    """Last user of the deployment: it kills the FFN server mid-generation."""
+    d = one_to_one
+    set_m(d.att, 1)
+    outcome = {}
+
+    def long_request():
+        try:
+            outcome["ok"] = complete(d.att.url, PROMPTS[0], 450, timeout=120)
+        except Exception as exc:  # noqa: BLE001 - the assertion below inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)  # mid-generation
+    killed_at = time.monotonic()
+    os.killpg(d.ffn.proc.pid, signal.SIGKILL)
+    thread.join(STEP_TIMEOUT_S + 60)
+    assert not thread.is_alive(), "the request hung after the FFN server died"
+    assert "error" in outcome, "the request succeeded although the FFN server was killed"
+    assert isinstance(outcome["error"], ServerError) and "500" in str(outcome["error"])
+    elapsed = time.monotonic() - killed_at
+    print(f"request failed {elapsed:.2f} s after the FFN server was killed")
+    # a dead peer closes its sockets: noticed at once, long before the step timeout
+    assert elapsed < STEP_TIMEOUT_S / 2, elapsed
+    # the attention server reports the dead peer, then exits (its engine is dead)
+    d.att.proc.wait(timeout=60)
+    log = d.att.log_path.read_text(errors="replace")
+    assert "AFDPeerError" in log and "FFN rank 0" in log, d.att.log_tail(60)
+    assert "closed the connection" in log, d.att.log_tail(60)
+
+
 @pytest.mark.parametrize("arch", list(BACKENDS))
 def test_2a1f_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
     model = str(checkpoints(arch))
@@ -164,7 +204,9 @@ def test_2a1f_data_parallel_attention_with_microbatches(arch, checkpoints, log_d
             _ALONE[arch] = run_prompts(servers[0].url)
         set_m(att, 1)
         assert_same(_ALONE[arch], run_prompts(att.url))
-        # each data-parallel rank splits its share of the batch into micro-batches of one
-        # request: every request computes exactly what it computes alone
-        set_m(att, 4)
-        assert_same(_ALONE[arch], run_batch(att.url))
+        # each data-parallel rank splits its share of the batch (two requests each: the
+        # load balancer alternates) into micro-batches of one request: every request
+        # computes exactly what it computes alone
+        for m in (2, 4):
+            set_m(att, m)
+            assert_same(_ALONE[arch], run_batch(att.url))

@@ -8,6 +8,8 @@ import os
 AFD_FORCE_SPAWN_MULTIPROCESSING = "AFD_FORCE_SPAWN_MULTIPROCESSING"
 # Limits the afd_balanced routing strategy to the first n local experts of each EP rank.
 AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK = "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK"
+# A path prefix: each AFD process writes its step timeline there (benchmarks, afd_core.trace).
+AFD_STEP_TRACE = "AFD_STEP_TRACE"
 # vLLM's own variable that selects a MoE routing-simulation strategy.
 VLLM_MOE_ROUTING_SIMULATION_STRATEGY = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
@@ -15,6 +17,7 @@ ALL = {
     AFD_FORCE_SPAWN_MULTIPROCESSING: '"1" forces the spawn start method (opt-in)',
     AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK: "afd_balanced routing: experts per EP rank (0 = all)",
     VLLM_MOE_ROUTING_SIMULATION_STRATEGY: '"afd_balanced" selects AFD benchmark routing',
+    AFD_STEP_TRACE: "path prefix: write step timelines <prefix>.<role><rank>.jsonl (benchmarks)",
 }
 
 

@@ -44,6 +44,12 @@ class TinySpec:
     num_experts: int = 16
     top_k: int = 2
     hidden_size: int = 64
+    # Qwen3-MoE attention heads and MLP widths (benchmarks build larger models); DeepSeek's
+    # MLA shapes are fixed by what vLLM's CPU MLA kernels accept
+    num_heads: int = 4
+    head_dim: int = 32
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
     vocab_size: int = 512
     seed: int = 0
     # A wide init spreads the logits: greedy decoding then has no near-ties that float
@@ -86,9 +92,9 @@ def _hf_config(spec: TinySpec):
     common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
-        intermediate_size=128,
+        intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=4,
+        num_attention_heads=spec.num_heads,
         max_position_embeddings=1024,
         initializer_range=spec.initializer_range,
         bos_token_id=1,
@@ -98,7 +104,7 @@ def _hf_config(spec: TinySpec):
     if spec.arch in ("deepseek_v2", "deepseek_v3"):
         mla = dict(
             num_key_value_heads=4,
-            moe_intermediate_size=32,
+            moe_intermediate_size=spec.moe_intermediate_size,
             first_k_dense_replace=1,
             n_routed_experts=spec.num_experts,
             n_shared_experts=1,
@@ -126,8 +132,8 @@ def _hf_config(spec: TinySpec):
     return transformers.Qwen3MoeConfig(
         **common,
         num_key_value_heads=2,
-        head_dim=32,
-        moe_intermediate_size=32,
+        head_dim=spec.head_dim,
+        moe_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.top_k,
         decoder_sparse_step=1,

@@ -51,6 +51,7 @@ from afd_core.connectors.status import (
 from afd_core.connectors.transport import Handle, Transport, TransportError
 from afd_core.log import get_logger
 from afd_core.topology import Topology
+from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
@@ -141,6 +142,7 @@ class PointToPointConnector(AFDConnector):
         # (a fresh large tensor per layer costs an mmap and page faults each time)
         self._ring: list[object | None] = [None, None]
         self._ring_next = 0
+        self._trace = trace_for(config.role, role_rank)
 
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
@@ -385,9 +387,11 @@ class PointToPointConnector(AFDConnector):
 
     def _complete_exchange(self, ex: Exchange) -> None:
         step = self._step_or_raise()
+        t0 = now()
         try:
             for h in ex._handles:
                 h.wait()
+            self._trace.add("wait", t0, now())
         except TransportError as exc:
             raise self._exchange_error(step, ex.layer, ex.microbatch, exc) from None
         finally:

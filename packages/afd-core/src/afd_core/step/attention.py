@@ -16,6 +16,7 @@ from typing import Any
 from afd_core.connectors.base import AFDConnector, AFDPeerError, AFDStepError
 from afd_core.log import get_logger
 from afd_core.step.microbatch import MicrobatchExecutor
+from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
@@ -28,6 +29,7 @@ class AttentionStepDriver:
     def __init__(self, connector: AFDConnector, executor: MicrobatchExecutor | None = None):
         self.connector = connector
         self.executor = executor or MicrobatchExecutor()
+        self.trace = trace_for("attention", connector.role_rank)
 
     def run(
         self, rows: Sequence[int], jobs: Sequence[Callable[[], Any]], flags: int = 0
@@ -36,10 +38,12 @@ class AttentionStepDriver:
         if len(rows) != len(jobs):
             raise ValueError(f"{len(jobs)} micro-batch jobs for {len(rows)} announced")
         conn = self.connector
+        t0 = now()
         msg = conn.begin_step(tuple(rows), flags)
         try:
             results = [jobs[0]()] if len(jobs) == 1 else self.executor.run(jobs)
             conn.end_step()
+            self.trace.add("step", t0, now())
             return results
         except (AFDPeerError, AFDStepError):
             raise

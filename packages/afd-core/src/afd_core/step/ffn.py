@@ -19,6 +19,7 @@ from collections.abc import Callable
 from afd_core.connectors.base import AFDConnector, AFDPeerError
 from afd_core.connectors.status import StatusCode, StepStatus
 from afd_core.log import get_logger
+from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
@@ -40,6 +41,7 @@ class FFNStepServer:
         self.forward_context = forward_context
         self.steps = 0  # steps served
         self.failed_steps = 0
+        self.trace = trace_for("ffn", connector.role_rank)
 
     def serve_step(self) -> bool:
         """One step for all peers; False when every peer has left."""
@@ -49,6 +51,7 @@ class FFNStepServer:
         plan = conn.recv_control()
         if conn.all_peers_left:
             return False
+        t_step = now()
         order = [(layer, mb) for layer in self.layers for mb in range(plan.num_microbatches)]
         failure: StepStatus | None = None
         with torch.inference_mode(), self.forward_context():
@@ -64,7 +67,9 @@ class FFNStepServer:
                     out = torch.zeros_like(rows)
                 else:
                     try:
+                        t0 = now()
                         out = self.compute(layer, rows, batch.router_logits)
+                        self.trace.add("compute", t0, now())
                     except Exception as exc:  # noqa: BLE001 - reported to every peer
                         failure = StepStatus(
                             plan.step,
@@ -84,6 +89,7 @@ class FFNStepServer:
                         out = torch.zeros_like(rows)
                 conn.send_ffn_output(out, layer, mb)
         conn.finish_step(failure)
+        self.trace.add("step", t_step, now())
         self.steps += 1
         self.failed_steps += failure is not None
         return True

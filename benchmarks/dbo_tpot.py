@@ -1,0 +1,176 @@
+"""Time per output token with micro-batches (DBO): colocated vs AFD m = 1, 2, 4.
+
+One run, one model: a Qwen3-MoE with hidden 1024, 16 experts (top-2), 4 layers, fp32,
+random weights. A colocated server uses both cores; the AFD attention server is pinned to
+core 0 and the FFN server to core 1 (one OpenMP thread each). The AFD attention server
+starts DBO-capable and changes m at run time, so m = 1, 2 and 4 run on the same servers,
+in turn, for every repetition. Each measurement is one batch of B requests (the scheduler is
+paused while they are added, so every step holds all of them): time per output token =
+(t(N tokens) - t(1 token)) / (N - 1). The overlap is read from AFD_STEP_TRACE timelines:
+the time the attention and the FFN side compute at once over the step time.
+
+    uv run --no-sync python benchmarks/dbo_tpot.py [--batch 32 64] [--tokens 24] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPT = "Attention and the feed-forward network"
+
+
+def post(url, path, body=None):
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        text = r.read()
+    return json.loads(text) if text else None
+
+
+def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, float]:
+    """(seconds, start, end) to generate `tokens` tokens for a batch of `batch` requests."""
+    from afd_plugin.launcher import complete
+
+    post(url, "/pause?mode=keep")
+    threads = [
+        threading.Thread(target=complete, args=(url, f"{PROMPT} {i}", tokens)) for i in range(batch)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.0 + 0.02 * batch)  # every request queued
+    t0, m0 = time.perf_counter(), time.monotonic()
+    post(url, "/resume")
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, m0, time.monotonic()
+
+
+def main() -> int:
+    import importlib.util
+
+    from afd_models.tiny import TinySpec, tiny_checkpoint
+    from afd_plugin.launcher import Server, ServerSpec, free_port, running
+
+    spec_ = importlib.util.spec_from_file_location(
+        "dbo_overlap", Path(__file__).with_name("dbo_overlap.py")
+    )
+    overlap_mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(overlap_mod)
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=2)
+    a = ap.parse_args()
+    spec = TinySpec(
+        "qwen3_moe",
+        num_layers=4,
+        num_experts=16,
+        top_k=2,
+        hidden_size=1024,
+        num_heads=8,
+        head_dim=128,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+    )
+    model = str(tiny_checkpoint(spec))
+    logs = Path(tempfile.mkdtemp(prefix="afd-dbo-tpot-"))
+    trace = str(logs / "trace")
+    common = ["--max-num-seqs", str(max(a.batch)), "--max-model-len", "256"]
+    one = {"OMP_NUM_THREADS": "1"}
+    port = free_port()
+    afd = {"port": port, "num_attention_ranks": 1, "num_ffn_ranks": 1}
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    colo = Server(
+        ServerSpec(
+            "colocated",
+            model,
+            free_port(),
+            extra_args=common,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", **dev},
+        ),
+        logs,
+    )
+    ffn = Server(
+        ServerSpec(
+            "ffn",
+            model,
+            free_port(),
+            afd={**afd, "role": "ffn"},
+            extra_args=common,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "1", "AFD_STEP_TRACE": trace, **one},
+        ),
+        logs,
+    )
+    att = Server(
+        ServerSpec(
+            "attention",
+            model,
+            free_port(),
+            afd={**afd, "role": "attention"},
+            extra_args=common
+            + ["--enable-dbo", "--dbo-decode-token-threshold", "4"]
+            + ["--dbo-prefill-token-threshold", "4"],
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0", "AFD_STEP_TRACE": trace, **dev, **one},
+        ),
+        logs,
+    )
+    configs = [("colocated", colo.url, None), ("AFD m=1", att.url, 1)]
+    configs += [("AFD m=2", att.url, 2), ("AFD m=4", att.url, 4)]
+    results: dict = {}
+    with running([colo, ffn, att], timeout=600):
+        for _, url, _ in configs[:2]:
+            batch_seconds(url, 4, 4)  # warm-up
+        for b in a.batch:
+            for _ in range(a.reps):
+                for name, url, m in configs:
+                    if m is not None:
+                        post(
+                            url,
+                            "/collective_rpc",
+                            {"method": "afd_set_microbatching", "args": [str(m)]},
+                        )
+                    t1, _, _ = batch_seconds(url, b, 1)
+                    tn, start, end = batch_seconds(url, b, a.tokens)
+                    r = results.setdefault((b, name), {"tpot": [], "overlap": []})
+                    r["tpot"].append((tn - t1) / (a.tokens - 1))
+                    if m is not None:
+                        r["overlap"].append(overlap_mod.overlap(trace, start, end))
+    print(
+        f"Qwen3-MoE hidden {spec.hidden_size}, {spec.num_experts} experts top-{spec.top_k}, "
+        f"{spec.num_layers} layers, fp32; colocated on cores 0-1, AFD attention core 0 + FFN "
+        f"core 1; {a.tokens} tokens, median of {a.reps} reps"
+    )
+    print(
+        "batch | config | TPOT ms | vs colocated | vs AFD m=1 | overlap (att busy, FFN busy, both)"
+    )
+    for b in a.batch:
+        colo_t = statistics.median(results[(b, "colocated")]["tpot"])
+        m1 = statistics.median(results[(b, "AFD m=1")]["tpot"])
+        for name, _, m in configs:
+            r = results[(b, name)]
+            t = statistics.median(r["tpot"])
+            ov = ""
+            if r["overlap"]:
+                parts = zip(*r["overlap"], strict=True)
+                ov = " / ".join(f"{statistics.median(p):.2f}" for p in parts)
+            print(
+                f"{b:5d} | {name:9s} | {t * 1e3:7.2f} | {t / colo_t:5.2f} | "
+                f"{t / m1 if m else float('nan'):5.2f} | {ov}"
+            )
+    print(f"logs and timelines: {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
