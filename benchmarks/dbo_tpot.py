@@ -6,60 +6,53 @@ core 0 and the FFN server to core 1 (one OpenMP thread each). The AFD attention 
 starts DBO-capable and changes m at run time, so m = 1, 2 and 4 run on the same servers,
 in turn, for every repetition. Each measurement is one batch of B requests (the scheduler is
 paused while they are added, so every step holds all of them): time per output token =
-(t(N tokens) - t(1 token)) / (N - 1). The overlap is read from AFD_STEP_TRACE timelines:
-the time the attention and the FFN side compute at once over the step time.
+(t(N + 8 tokens) - t(8 tokens)) / N, so the prefill cancels out. From the AFD_STEP_TRACE
+timelines of the AFD runs: the median interval between the starts of consecutive decode
+steps, and the overlap: the time the attention and the FFN side compute at once over the
+step time.
 
-    uv run --no-sync python benchmarks/dbo_tpot.py [--batch 32 64] [--tokens 24] [--reps 2]
+    uv run --no-sync python benchmarks/dbo_tpot.py [--batch 32 128] [--tokens 32] [--reps 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 PROMPT = "Attention and the feed-forward network"
+SHORT = 8  # tokens of the short run, whose time (with the prefill) is subtracted
 
 
-def post(url, path, body=None):
-    req = urllib.request.Request(
-        url + path,
-        data=json.dumps(body or {}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        text = r.read()
-    return json.loads(text) if text else None
+def decode_step_interval(trace_prefix: str, start: float, end: float) -> float:
+    """Median start-to-start interval of the attention side's decode steps in [start, end]
+    (the first two steps, prefill, are left out)."""
+    path = Path(f"{trace_prefix}.attention0.jsonl")
+    starts = sorted(
+        e["t0"]
+        for e in map(json.loads, path.read_text().splitlines())
+        if e["kind"] == "step" and start <= e["t0"] <= end
+    )[2:]
+    return statistics.median(b - a for a, b in zip(starts, starts[1:], strict=False))
 
 
 def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, float]:
     """(seconds, start, end) to generate `tokens` tokens for a batch of `batch` requests."""
-    from afd_plugin.launcher import complete
+    from afd_plugin.launcher import complete_batch
 
-    post(url, "/pause?mode=keep")
-    threads = [
-        threading.Thread(target=complete, args=(url, f"{PROMPT} {i}", tokens)) for i in range(batch)
-    ]
-    for t in threads:
-        t.start()
-    time.sleep(1.0 + 0.02 * batch)  # every request queued
-    t0, m0 = time.perf_counter(), time.monotonic()
-    post(url, "/resume")
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, m0, time.monotonic()
+    _, seconds = complete_batch(url, [f"{PROMPT} {i}" for i in range(batch)], tokens, stagger=0)
+    end = time.monotonic()
+    return seconds, end - seconds, end
 
 
 def main() -> int:
-    import importlib.util
 
     from afd_models.tiny import TinySpec, tiny_checkpoint
-    from afd_plugin.launcher import Server, ServerSpec, free_port, running
+    from afd_plugin.launcher import Server, ServerSpec, collective_rpc, free_port, running
 
     spec_ = importlib.util.spec_from_file_location(
         "dbo_overlap", Path(__file__).with_name("dbo_overlap.py")
@@ -68,8 +61,8 @@ def main() -> int:
     spec_.loader.exec_module(overlap_mod)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
-    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
     spec = TinySpec(
@@ -135,38 +128,39 @@ def main() -> int:
             for _ in range(a.reps):
                 for name, url, m in configs:
                     if m is not None:
-                        post(
-                            url,
-                            "/collective_rpc",
-                            {"method": "afd_set_microbatching", "args": [str(m)]},
-                        )
-                    t1, _, _ = batch_seconds(url, b, 1)
-                    tn, start, end = batch_seconds(url, b, a.tokens)
-                    r = results.setdefault((b, name), {"tpot": [], "overlap": []})
-                    r["tpot"].append((tn - t1) / (a.tokens - 1))
+                        collective_rpc(url, "afd_set_microbatching", str(m))
+                    t_short, _, _ = batch_seconds(url, b, SHORT)
+                    t_long, start, end = batch_seconds(url, b, SHORT + a.tokens)
+                    r = results.setdefault((b, name), {"tpot": [], "overlap": [], "gap": []})
+                    r["tpot"].append((t_long - t_short) / a.tokens)
                     if m is not None:
                         r["overlap"].append(overlap_mod.overlap(trace, start, end))
+                        r["gap"].append(decode_step_interval(trace, start, end))
     print(
         f"Qwen3-MoE hidden {spec.hidden_size}, {spec.num_experts} experts top-{spec.top_k}, "
         f"{spec.num_layers} layers, fp32; colocated on cores 0-1, AFD attention core 0 + FFN "
         f"core 1; {a.tokens} tokens, median of {a.reps} reps"
     )
     print(
-        "batch | config | TPOT ms | vs colocated | vs AFD m=1 | overlap (att busy, FFN busy, both)"
+        "batch | config | TPOT ms | vs colocated | vs AFD m=1 | decode step ms (vs m=1) | "
+        "overlap (att busy, FFN busy, both)"
     )
     for b in a.batch:
         colo_t = statistics.median(results[(b, "colocated")]["tpot"])
         m1 = statistics.median(results[(b, "AFD m=1")]["tpot"])
+        gap1 = statistics.median(results[(b, "AFD m=1")]["gap"])
         for name, _, m in configs:
             r = results[(b, name)]
             t = statistics.median(r["tpot"])
-            ov = ""
+            ov = gap = ""
             if r["overlap"]:
                 parts = zip(*r["overlap"], strict=True)
                 ov = " / ".join(f"{statistics.median(p):.2f}" for p in parts)
+                g = statistics.median(r["gap"])
+                gap = f"{g * 1e3:7.1f} ({g / gap1:.2f})"
             print(
                 f"{b:5d} | {name:9s} | {t * 1e3:7.2f} | {t / colo_t:5.2f} | "
-                f"{t / m1 if m else float('nan'):5.2f} | {ov}"
+                f"{t / m1 if m else float('nan'):5.2f} | {gap:15s} | {ov}"
             )
     print(f"logs and timelines: {logs}")
     return 0

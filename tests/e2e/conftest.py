@@ -3,10 +3,6 @@ architecture per session, requests one at a time or as one batch, vLLM's dev end
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -41,53 +37,18 @@ def run_prompts(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
     return [complete(url, p, max_tokens) for p in prompts]
 
 
-def post(url: str, path: str, body: dict | None = None):
-    req = urllib.request.Request(
-        url + path,
-        data=json.dumps(body or {}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        text = r.read()
-    return json.loads(text) if text else None
-
-
 def rpc(url: str, method: str, *args: str) -> list:
-    """Call a worker method through vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1)."""
-    return post(url, "/collective_rpc", {"method": method, "args": list(args)})["results"]
+    from afd_plugin.launcher import collective_rpc
+
+    return collective_rpc(url, method, *args)
 
 
 def run_batch(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
-    """All prompts as one batch, in this order: the scheduler is paused while they are
-    added one after another, then resumed, so every step holds all of them (vLLM's CPU path
-    is not batch-invariant: only equal batches compare exactly)."""
-    from afd_plugin.launcher import complete
+    """All prompts as one batch in this order (vLLM's CPU path is not batch-invariant: only
+    equal batches compare exactly)."""
+    from afd_plugin.launcher import complete_batch
 
-    post(url, "/pause?mode=keep")
-    out: list = [None] * len(prompts)
-    errors: list = []
-
-    def one(i):
-        try:
-            out[i] = complete(url, prompts[i], max_tokens)
-        except Exception as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = []
-    try:
-        for i in range(len(prompts)):
-            t = threading.Thread(target=one, args=(i,))
-            t.start()
-            threads.append(t)
-            time.sleep(0.3)  # arrival order = batch order
-        time.sleep(0.5)
-    finally:
-        post(url, "/resume")
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-    return out
+    return complete_batch(url, list(prompts), max_tokens)[0]
 
 
 def assert_same(reference, got, prompts=PROMPTS, tol: float = 1e-5):

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -304,3 +305,56 @@ def complete(
         list(choice["logprobs"]["token_logprobs"]),
         seconds,
     )
+
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 600.0):
+    """POST JSON to a server endpoint; the decoded answer, or None for an empty one."""
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read()
+    return json.loads(text) if text else None
+
+
+def collective_rpc(url: str, method: str, *args: str) -> list:
+    """Call a worker method on every worker of a server through vLLM's dev endpoint (the
+    server runs with VLLM_SERVER_DEV_MODE=1); one result per worker."""
+    return post(url, "/collective_rpc", {"method": method, "args": list(args)})["results"]
+
+
+def complete_batch(
+    url: str, prompts: list[str], max_tokens: int, *, stagger: float = 0.3
+) -> tuple[list[Completion], float]:
+    """All prompts as one batch, in this order: the scheduler is paused (vLLM's dev
+    endpoint /pause) while they are added one after another, then resumed, so every step
+    holds all of them. Returns the completions and the seconds from resume to the last."""
+    post(url, "/pause?mode=keep")
+    out: list = [None] * len(prompts)
+    errors: list = []
+
+    def one(i):
+        try:
+            out[i] = complete(url, prompts[i], max_tokens)
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = []
+    try:
+        for i in range(len(prompts)):
+            t = threading.Thread(target=one, args=(i,))
+            t.start()
+            threads.append(t)
+            time.sleep(stagger)  # arrival order = batch order
+        time.sleep(0.5 + 0.01 * len(prompts))
+    finally:
+        t0 = time.perf_counter()
+        post(url, "/resume")
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return out, seconds
