@@ -31,6 +31,8 @@ def make(
     dtype="float32",
     router_width=0,
     layers=LAYERS,
+    connect_timeout=30.0,
+    start_rank=0,
 ):
     from afd_core.config import parse_afd_config
     from afd_core.connectors.base import WireSpec
@@ -42,7 +44,8 @@ def make(
             "port": port,
             "num_attention_ranks": a,
             "num_ffn_ranks": f,
-            "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": 30},
+            "start_rank": start_rank,
+            "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": connect_timeout},
         },
         device_type="cpu",
     )

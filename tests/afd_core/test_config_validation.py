@@ -32,6 +32,18 @@ def test_auto_worker_becomes_the_role_worker(engine_config):
     assert ffn.cache_config.enable_prefix_caching is False  # an FFN engine has no KV cache
 
 
+def test_a_server_may_hold_some_ranks_of_a_role(engine_config):
+    """Several servers per role: each holds the ranks from its start_rank (the missing ones
+    are named at connect time, not here)."""
+    for afd in (
+        {"role": "attention", "num_attention_ranks": 2, "start_rank": 1},
+        {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2, "start_rank": 1},
+        {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2},
+    ):
+        role = "Attention" if afd["role"] == "attention" else "FFN"
+        assert engine_config(afd).parallel_config.worker_cls.endswith(f"AFDCPU{role}Worker")
+
+
 def test_no_afd_key_changes_nothing(engine_config):
     assert engine_config().parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
 
@@ -54,14 +66,21 @@ def test_explicit_mismatching_worker_names_both(engine_config):
     [
         ({"role": "attention", "port": 0}, {}, r"port=0 is invalid"),
         (
-            {"role": "attention", "num_attention_ranks": 2},
+            {"role": "attention", "num_attention_ranks": 2, "start_rank": 2},
             {},
-            r"num_attention_ranks=2, but this attention server runs 1 workers",
+            r"start_rank=2 is out of range for an attention server .* 2 attention rank\(s\); "
+            r"allowed: 0..1",
         ),
         (
             {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2},
-            {},
-            r"num_ffn_ranks=2, but this FFN server runs 1 workers",
+            {"data_parallel_size": 2},
+            r"an FFN server with --data-parallel-size=2 .*afd.start_rank",
+        ),
+        (
+            {"role": "attention", "num_attention_ranks": 2, "start_rank": 1},
+            {"data_parallel_size": 2},
+            r"runs 2 workers .* as attention ranks 1..2, but the deployment has "
+            r"num_attention_ranks=2",
         ),
         ({"role": "attention"}, {"enforce_eager": False}, r"add --enforce-eager"),
         (

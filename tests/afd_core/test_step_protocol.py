@@ -167,8 +167,10 @@ def deploy(a, f, steps_by_rank, layers=3, timeout=20.0, ffn_fail=(), attn_fail=N
                 3: [(0,), (1, 1), (1, 1, 1, 1)],
             },
         ),
+        # four FFN ranks, two peers each; every group with its own m and zero rows
+        (8, 4, {r: [(r % 3 + 1,) * (r % 4 + 1), (0,) * (r % 2) + (r + 1,)] for r in range(8)}),
     ],
-    ids=["1A1F", "2A1F", "4A2F"],
+    ids=["1A1F", "2A1F", "4A2F", "8A4F"],
 )
 def test_microbatches_every_m_and_shape(a, f, steps):
     results = deploy(a, f, steps)

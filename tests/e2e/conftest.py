@@ -23,6 +23,9 @@ MAX_TOKENS = 32
 DBO_ARGS = ["--enable-dbo", "--dbo-decode-token-threshold", "2"]
 DBO_ARGS += ["--dbo-prefill-token-threshold", "4"]
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+# arch -> the colocated server's results for PROMPTS, one request at a time; filled by the
+# first module that runs a colocated server, reused by the others of the session
+COLOCATED_ALONE: dict[str, list] = {}
 
 
 @pytest.fixture(scope="session")

@@ -45,10 +45,11 @@ from tests.e2e.conftest import (
     run_batch,
     run_prompts,
 )
+from tests.e2e.conftest import (
+    COLOCATED_ALONE as _ALONE,
+)
 
 pytestmark = pytest.mark.e2e
-
-_ALONE: dict[str, list] = {}  # arch -> colocated results, one request at a time
 
 
 STEP_TIMEOUT_S = 30  # connector timeout_s: a hang would fail within this

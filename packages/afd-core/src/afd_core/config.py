@@ -76,6 +76,9 @@ class AFDConfig(BaseModel):
     port: Int = Field(default=29650, ge=1, le=65535)
     num_attention_ranks: Int = Field(default=1, ge=1)
     num_ffn_ranks: Int = Field(default=1, ge=1)
+    # the rank, in its role, of this server's first worker: a deployment may be several
+    # attention and several FFN servers (like vLLM's --data-parallel-start-rank)
+    start_rank: Int = Field(default=0, ge=0)
     compute_gate_on_attention: Bool = False
     async_dp: Bool = False
     # micro-batches per step on an attention server (DBO); None: from vLLM's --enable-dbo
@@ -127,6 +130,7 @@ _FIELD_HELP = {
     "port": "an integer 1..65535",
     "num_attention_ranks": "an integer >= 1",
     "num_ffn_ranks": "an integer >= 1",
+    "start_rank": "an integer >= 0, below the number of ranks of this server's role",
     "compute_gate_on_attention": "a boolean",
     "async_dp": "a boolean",
     "num_microbatches": "an integer 1..4 (attention servers; DBO micro-batches per step)",
@@ -211,6 +215,16 @@ def parse_afd_config(raw: Any, device_type: str | None = None) -> AFDConfig:
             "num_attention_ranks",
             cfg.num_attention_ranks,
         ) from None
+    role_ranks = cfg.num_attention_ranks if cfg.is_attention else cfg.num_ffn_ranks
+    name = "attention" if cfg.is_attention else "FFN"
+    if cfg.start_rank >= role_ranks:
+        raise AFDConfigError(
+            f"afd config: start_rank={cfg.start_rank} is out of range for an {name} server "
+            f"of a deployment with {role_ranks} {name} rank(s); allowed: 0.."
+            f"{role_ranks - 1}",
+            "start_rank",
+            cfg.start_rank,
+        )
     spec.parse_extra(cfg.connector_extra_config)  # raises AFDConfigError on a bad extra
     spec.validate_config(cfg)
     return cfg

@@ -155,6 +155,52 @@ def local_deployment(
     return servers
 
 
+def _cores(workers: int, env: dict[str, str]) -> dict[str, str]:
+    """One core per worker, round robin over this machine's two; a one-worker server shares."""
+    if workers == 1:
+        return {**SHARED_CORES, **env}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(workers)), **env}
+
+
+def scale_out_deployment(
+    model: str,
+    log_dir: Path,
+    *,
+    attention: list[int],
+    ffn: list[int],
+    attention_backend: str | None = None,
+    afd_extra: dict | None = None,
+    env: dict[str, str] | None = None,
+    tag: str = "",
+) -> list[Server]:
+    """Servers of a one-host deployment of several attention and FFN servers, not started:
+    `attention` is the data-parallel size of each attention server, `ffn` the
+    tensor-parallel size of each FFN server (one FFN rank each). Each server holds the ranks
+    of its role from its afd.start_rank on; FFN server i is FFN rank i."""
+    env = env or {}
+    afd = {"port": free_port(), "num_attention_ranks": sum(attention), "num_ffn_ranks": len(ffn)}
+    afd |= afd_extra or {}
+
+    def server(name, role, start, workers, **parallel):
+        spec = ServerSpec(
+            f"{tag}{name}",
+            model,
+            free_port(),
+            afd={**afd, "role": role, "start_rank": start},
+            attention_backend=attention_backend,
+            env=_cores(workers, env),
+            **parallel,
+        )
+        return Server(spec, log_dir)
+
+    servers = [server(f"ffn{i}", "ffn", i, tp, tensor_parallel_size=tp) for i, tp in enumerate(ffn)]
+    start = 0
+    for i, dp in enumerate(attention):
+        servers.append(server(f"attention{i}", "attention", start, dp, data_parallel_size=dp))
+        start += dp
+    return servers
+
+
 class ServerError(RuntimeError):
     pass
 

@@ -18,6 +18,7 @@ from afd_core.connectors.transport import Handle, Transport, TransportError
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
+STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
 
 
 class GlooTransport(Transport):
@@ -25,7 +26,7 @@ class GlooTransport(Transport):
         self,
         host: str,
         port: int,
-        group: int,
+        group: int | str,
         group_rank: int,
         group_size: int,
         is_store_master: bool,
@@ -34,37 +35,58 @@ class GlooTransport(Transport):
     ):
         self.host, self.port = host, port
         self.group, self.group_rank, self.group_size = group, group_rank, group_size
-        self.is_store_master = is_store_master
+        self.is_store_master = self.hosts_store = is_store_master
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._store = None
         self._data = None
         self._ctrl = None
+        self._deadline = None
 
-    def connect(self) -> None:
+    def open_store(self) -> None:
         import torch.distributed as dist
 
-        deadline = time.monotonic() + self.connect_timeout_s
-        try:
-            self._store = dist.TCPStore(
-                self.host,
-                self.port,
-                None,
-                self.is_store_master,
-                timeout=datetime.timedelta(seconds=self.connect_timeout_s),
-                wait_for_workers=False,
-                use_libuv=True,
-            )
-        except Exception as exc:
-            what = "listen on" if self.is_store_master else "reach FFN rank 0's rendezvous at"
-            raise TransportError(
-                f"could not {what} {self.host}:{self.port} within {self.connect_timeout_s:.0f}s "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check afd.host/"
-                "afd.port and that the FFN server is started"
-            ) from None
+        self._deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            # short attempts of our own: after a refused connection TCPStore's own retry
+            # sleeps up to ~10 s, which would overshoot a short connect timeout
+            remaining = self._deadline - time.monotonic()
+            attempt = remaining if self.is_store_master else min(remaining, STORE_ATTEMPT_S)
+            try:
+                self._store = dist.TCPStore(
+                    self.host,
+                    self.port,
+                    None,
+                    self.is_store_master,
+                    timeout=datetime.timedelta(seconds=max(attempt, 0.1)),
+                    wait_for_workers=False,
+                    use_libuv=True,
+                )
+                break
+            except Exception as exc:
+                if not self.is_store_master and self._deadline - time.monotonic() > 0.5:
+                    time.sleep(0.2)
+                    continue
+                what = "listen on" if self.is_store_master else "reach FFN rank 0's rendezvous at"
+                raise TransportError(
+                    f"could not {what} {self.host}:{self.port} within "
+                    f"{self.connect_timeout_s:.0f}s ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200]}); check afd.host/afd.port and that the "
+                    "FFN server is started"
+                ) from None
+        self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+
+    def join_group(self, fail_key: str | None = None) -> None:
+        import torch.distributed as dist
+
         prefix = f"afd/g{self.group}"
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
-        self.barrier(f"{prefix}/arrived", self.group_size, deadline - time.monotonic())
+        self.barrier(
+            f"{prefix}/arrived", self.group_size, self._deadline - time.monotonic(), fail_key
+        )
+        # a member that saw the failure while the others arrived will not connect
+        if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
+            raise TransportError(reason.decode())
         try:
             self._data = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/data", self._store),
@@ -84,10 +106,23 @@ class GlooTransport(Transport):
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
 
-    def barrier(self, key: str, count: int, timeout_s: float) -> None:
+    def barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None = None) -> None:
+        try:
+            self._barrier(key, count, timeout_s, fail_key)
+        except TransportError:
+            raise
+        except Exception as exc:  # the store went away: FFN rank 0's process stopped
+            raise TransportError(
+                f"lost the rendezvous store at {self.host}:{self.port} while waiting at "
+                f"{key!r} (FFN rank 0 stopped: {type(exc).__name__})"
+            ) from None
+
+    def _barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None) -> None:
         deadline = time.monotonic() + max(timeout_s, 1.0)
         self._store.add(key, 1)
         while (n := self._store.add(key, 0)) < count:
+            if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
+                raise TransportError(reason.decode())
             if time.monotonic() > deadline:
                 raise TransportError(
                     f"only {n} of {count} AFD ranks reached {key!r} at the rendezvous "
@@ -117,6 +152,12 @@ class GlooTransport(Transport):
             return self._store.get(key)
         except Exception as exc:
             raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {exc}") from None
+
+    def store_add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, amount))
+
+    def store_try_get(self, key: str) -> bytes | None:
+        return self._store.get(key) if self._store.check([key]) else None
 
     def _handle(self, post, what: str) -> Handle:
         try:
@@ -170,6 +211,16 @@ class GlooConnector(PointToPointConnector):
     """Connector `gloo`: the point-to-point AFD protocol over GlooTransport (CPU tensors)."""
 
     def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport:
+        return self._gloo_transport(
+            group, group_rank, group_size, self.config.is_ffn and self.role_rank == 0, 1.0
+        )
+
+    def make_side_transport(
+        self, name: str, group_rank: int, group_size: int, connect_scale: float
+    ) -> Transport:
+        return self._gloo_transport(name, group_rank, group_size, False, connect_scale)
+
+    def _gloo_transport(self, group, group_rank, group_size, store_master, connect_scale):
         extra = self.config.extra()
         return GlooTransport(
             self.config.host,
@@ -177,9 +228,9 @@ class GlooConnector(PointToPointConnector):
             group,
             group_rank,
             group_size,
-            is_store_master=self.config.is_ffn and self.role_rank == 0,
+            is_store_master=store_master,
             timeout_s=extra.timeout_s,
-            connect_timeout_s=extra.connect_timeout_s,
+            connect_timeout_s=extra.connect_timeout_s * connect_scale,
         )
 
     def check_tensor(self, tensor) -> None:

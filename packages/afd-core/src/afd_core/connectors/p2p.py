@@ -18,6 +18,7 @@ so the next step starts in step; only a transport failure ends the deployment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -34,13 +35,13 @@ from afd_core.connectors.base import (
 )
 from afd_core.connectors.control import (
     MAX_MICROBATCHES,
-    MESSAGE_LEN,
     ControlError,
     ControlFlag,
     ControlMessage,
     Expectation,
     decode,
 )
+from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.status import (
     STATUS_LEN,
     StatusCode,
@@ -59,6 +60,11 @@ KIND_HIDDEN, KIND_LOGITS = 0, 1
 STATUS_TAG = 1 << 24  # above every data tag of any real model
 ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to take the reason
 STATUS_GRACE_S = 0.5  # how long a failed exchange waits for the FFN rank's reason
+FAILED_KEY = "afd/failed"  # the store key holding why start-up failed, for every rank
+FAILED_SEEN_KEY = "afd/failed/seen"  # ranks that left a failed start-up
+TIMED_OUT_KEY = "afd/failed/timed-out"  # set when start-up failed because ranks never came
+CLAIMS_KEY = "afd/claims"  # ranks that claimed a place (duplicates included)
+FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
 
 
 def data_tag(layer: int, microbatch: int, kind: int) -> int:
@@ -134,6 +140,8 @@ class PointToPointConnector(AFDConnector):
         # FFN side
         self._plan: StepPlan | None = None
         self._active_peers: list[bool] = [True] * len(self.peers)
+        self._peer_server: list[int] = [0] * len(self.peers)  # peers of one server step together
+        self._inbox: ControlInbox | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
         self._pending_sends: list[tuple[int, int, int, Handle]] = []  # peer, layer, mb, handle
@@ -147,6 +155,14 @@ class PointToPointConnector(AFDConnector):
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
     def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport: ...
+
+    @abstractmethod
+    def make_side_transport(
+        self, name: str, group_rank: int, group_size: int, connect_scale: float
+    ) -> Transport:
+        """A transport for a group of this deployment outside the AFD protocol (the
+        tensor-parallel workers of one FFN rank), on the same rendezvous store; its
+        members wait up to connect_scale times the connect timeout for each other."""
 
     def check_tensor(self, tensor) -> None:
         return None
@@ -168,21 +184,62 @@ class PointToPointConnector(AFDConnector):
     def init(self) -> None:
         if self._transport is not None:
             return
-        extra = self.config.extra()
         transport = self.make_transport(self.group, self.group_rank, self.group_size)
         try:
-            transport.connect()
+            self._connect(transport)
+        except AFDPeerError:
+            self._leave_failed_start_up(transport)
+            raise
+
+    def _leave_failed_start_up(self, transport: Transport) -> None:
+        """The store lives in FFN rank 0's process: it stays until every rank of the
+        deployment that has come (or comes within FAILED_GRACE_S) read why start-up failed,
+        so no rank sees only a lost store."""
+        try:
+            transport.store_add(FAILED_SEEN_KEY, 1)
+            if not transport.hosts_store:
+                return
+            deadline = time.monotonic() + FAILED_GRACE_S
+            while time.monotonic() < deadline:
+                # after a connect timeout the missing ranks will not come; after an early
+                # failure every rank may still be on its way
+                expected = self.topology.world_size
+                if transport.store_try_get(TIMED_OUT_KEY) is not None:
+                    expected -= len(self.missing_ranks(transport))
+                if transport.store_add(FAILED_SEEN_KEY, 0) >= max(
+                    expected, transport.store_add(CLAIMS_KEY, 0)
+                ):
+                    return
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            logger.debug("AFD %s: start-up failure not acknowledged", self._me())
+
+    def _connect(self, transport: Transport) -> None:
+        extra = self.config.extra()
+        deadline = time.monotonic() + extra.connect_timeout_s
+        try:
+            transport.open_store()
         except TransportError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
+        self._roll_call(transport, extra.connect_timeout_s)
+        try:
+            transport.join_group(fail_key=FAILED_KEY)
+        except TransportError as exc:
+            raise self._start_up_error(transport, exc) from None
         self._transport = transport
         self._handshake(extra.connect_timeout_s)
         # The rendezvous store lives in FFN rank 0's process: nobody may leave start-up
         # (and FFN rank 0 may not stop) before every group of the deployment is connected.
         try:
-            transport.barrier("afd/ready", self.topology.world_size, extra.connect_timeout_s)
+            transport.barrier(
+                "afd/ready",
+                self.topology.world_size,
+                deadline - time.monotonic(),
+                fail_key=FAILED_KEY,
+            )
         except TransportError as exc:
             self._transport = None
-            raise AFDPeerError(f"{self._me()}: {exc}") from None
+            raise self._start_up_error(transport, exc) from None
         logger.info(
             "AFD %s connected: group %d, peers %s, %s",
             self._me(),
@@ -191,10 +248,11 @@ class PointToPointConnector(AFDConnector):
             self.wire,
         )
 
-    def _hello(self) -> dict:
+    # -- start-up checks over the whole deployment -------------------------------------------
+    def _deployment_shape(self) -> dict:
+        """What every rank of the deployment, in every group, must agree on."""
         return {
-            "role": self.config.role,
-            "role_rank": self.role_rank,
+            "connector": self.config.connector,
             "num_attention_ranks": self.config.num_attention_ranks,
             "num_ffn_ranks": self.config.num_ffn_ranks,
             "compute_gate_on_attention": self.config.compute_gate_on_attention,
@@ -202,9 +260,92 @@ class PointToPointConnector(AFDConnector):
             "dtype": self.wire.dtype,
             "num_exchange_layers": self.wire.num_exchange_layers,
             "router_width": self.wire.router_width,
+        }
+
+    def _fail_deployment(self, transport: Transport, reason: str) -> AFDPeerError:
+        """Record why start-up failed, so every other rank stops at once with the reason."""
+        try:
+            transport.store_set(FAILED_KEY, reason.encode())
+        except Exception:  # noqa: BLE001 - the reason is still raised here
+            logger.debug("AFD %s: could not record the start-up failure", self._me())
+        return AFDPeerError(reason)
+
+    def _roll_call(self, transport: Transport, timeout_s: float) -> None:
+        """Claim this rank (a rank claimed twice is an error naming it) and check this
+        rank's view of the deployment against the first rank's."""
+        role = self.config.role
+        transport.store_add(CLAIMS_KEY, 1)
+        if transport.store_add(f"afd/rank/{role}/{self.role_rank}", 1) > 1:
+            raise self._fail_deployment(
+                transport,
+                f"AFD start-up failed: two servers claim {self._me()}: each rank belongs to "
+                "exactly one server "
+                "(check afd.start_rank and --data-parallel-size of every server of this role)",
+            )
+        mine = self._deployment_shape()
+        if transport.store_add("afd/deployment/first", 1) == 1:
+            transport.store_set("afd/deployment", json.dumps({"by": self._me(), **mine}).encode())
+            return
+        try:
+            theirs = json.loads(transport.store_get("afd/deployment", timeout_s))
+        except TransportError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        diffs = [
+            f"{self._me()} has {k}={v!r}, {theirs['by']} has {theirs.get(k)!r}"
+            for k, v in mine.items()
+            if theirs.get(k) != v
+        ]
+        if diffs:
+            raise self._fail_deployment(
+                transport,
+                "AFD handshake failed: "
+                + "; ".join(diffs)
+                + " (every server of a deployment needs the same afd shape and model)",
+            )
+
+    def missing_ranks(self, transport: Transport) -> list[str]:
+        """The ranks of the deployment that have not claimed their place yet."""
+        missing = [
+            f"FFN rank {k}"
+            for k in range(self.config.num_ffn_ranks)
+            if transport.store_add(f"afd/rank/ffn/{k}", 0) == 0
+        ]
+        missing += [
+            f"attention rank {j}"
+            for j in range(self.config.num_attention_ranks)
+            if transport.store_add(f"afd/rank/attention/{j}", 0) == 0
+        ]
+        return missing
+
+    def _start_up_error(self, transport: Transport, exc: TransportError) -> AFDPeerError:
+        try:
+            reason = transport.store_try_get(FAILED_KEY)
+            missing = self.missing_ranks(transport)
+        except Exception:  # noqa: BLE001 - the store may be gone with FFN rank 0
+            reason, missing = None, []
+        if reason is not None:
+            return AFDPeerError(f"{reason.decode()} (seen by {self._me()})")
+        if missing:
+            transport.store_set(TIMED_OUT_KEY, b"1")
+            return self._fail_deployment(
+                transport,
+                f"AFD start-up failed: {', '.join(missing)} of the deployment never joined "
+                f"({exc}): start the "
+                "server(s) holding them (afd.start_rank says which ranks a server holds)",
+            )
+        return AFDPeerError(f"{self._me()}: {exc}")
+
+    def _hello(self) -> dict:
+        return {
+            "role": self.config.role,
+            "role_rank": self.role_rank,
+            **self._deployment_shape(),
             # each side's own --max-num-batched-tokens: not compared, it bounds what the
             # FFN rank accepts from that peer in one micro-batch
             "max_tokens": self.wire.max_tokens,
+            # which attention server this rank belongs to (its first rank): the ranks of one
+            # server step together, two servers on their own
+            "server": self.config.start_rank,
         }
 
     def _handshake(self, timeout_s: float) -> None:
@@ -222,8 +363,9 @@ class PointToPointConnector(AFDConnector):
                     problems.append(f"attention rank {peer} did not join within {timeout_s:.0f}s")
                     continue
                 self._peer_max_tokens[i - 1] = int(theirs.get("max_tokens") or 0) or None
+                self._peer_server[i - 1] = int(theirs.get("server") or 0)
                 for field in mine:
-                    if field in ("role", "role_rank", "max_tokens"):
+                    if field in ("role", "role_rank", "max_tokens", "server"):
                         continue
                     # the FFN side may hold the router weights or not; only the width matters
                     if theirs.get(field) != mine[field]:
@@ -245,6 +387,8 @@ class PointToPointConnector(AFDConnector):
                 verdict = f"FFN rank {self.group} gave no verdict within {timeout_s:.0f}s"
         if verdict != "ok":
             self._transport = None
+            if self.config.is_ffn:  # every other group stops at once, too
+                self._fail_deployment(t, f"handshake of FFN rank {self.group}'s group: {verdict}")
             raise AFDPeerError(f"AFD handshake failed for {self._me()}: {verdict}")
 
     def close(self) -> None:
@@ -254,6 +398,8 @@ class PointToPointConnector(AFDConnector):
                 return
             self._closed = True
             transport = self._transport
+        if self._inbox is not None:
+            self._inbox.close()
         if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
                 self._send_words(
@@ -505,49 +651,30 @@ class PointToPointConnector(AFDConnector):
 
     # -- FFN side ------------------------------------------------------------------------------
     def recv_control(self) -> StepPlan:
-        """Every live peer's control message for the next step (their receives are posted
-        together, so one late peer does not hold up the others' messages)."""
-        import torch
-
-        t = self._require("ffn")
-        posted = []
-        for i, _peer in enumerate(self.peers):
-            if not self._active_peers[i]:
-                continue
-            buf = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
-            try:
-                posted.append((i, buf, t.irecv_control(buf, i + 1)))
-            except TransportError as exc:
-                raise self._control_error(i, exc) from None
-        messages: list[ControlMessage] = []
-        for i, buf, handle in posted:
-            peer = self.peers[i]
-            try:
-                handle.wait()
-            except TransportError as exc:
-                raise self._control_error(i, exc) from None
-            expect = Expectation(
-                peer, self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i]
+        """The next step's control messages: blocks until some peer announces a step, then
+        takes every peer of the same attention server(s) (they step together) and whatever
+        other peers already announced; the rest join a later step (their servers step on
+        their own)."""
+        self._require("ffn")
+        if self._inbox is None:
+            self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
+            self._inbox.start()
+        arrived: dict[int, ControlMessage] = {}
+        self._take_control(self._inbox.get(), arrived)
+        while True:
+            servers = {self._peer_server[i] for i in arrived}
+            waiting_for_mate = any(
+                self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
+                for j in range(len(self.peers))
             )
-            try:
-                msg = decode(buf.tolist(), expect)
-            except ControlError as exc:
-                raise AFDPeerError(f"{self._me()}: {exc}") from None
-            if msg.step != self._peer_step[i]:
-                raise AFDPeerError(
-                    f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
-                    f"{self._peer_step[i]} is next for it (a control message was lost or sent "
-                    "twice; the two sides are out of step)"
-                )
-            if msg.is_shutdown:
-                self._active_peers[i] = False
-                logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
-            else:
-                self._peer_step[i] += 1
-            messages.append(msg)
+            item = self._inbox.get(block=waiting_for_mate)
+            if item is None:
+                break
+            self._take_control(item, arrived)
+        messages = [arrived[i] for i in sorted(arrived)]
         by_peer = {m.sender_rank: m for m in messages if not m.is_shutdown}
         # peers may split into different numbers of micro-batches: the FFN rank serves the
-        # most any peer announced, and a peer with fewer sends no rows in the rest
+        # most any peer announced, and a peer with fewer (or none this step) sends no rows
         n_mb = max((m.num_microbatches for m in by_peer.values()), default=0)
         rows = tuple(
             tuple(
@@ -561,6 +688,37 @@ class PointToPointConnector(AFDConnector):
             flags |= m.flags
         self._plan = StepPlan(self._step, tuple(messages), rows, flags)
         return self._plan
+
+    def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
+        """Check one peer's control message and add it to the step."""
+        i, payload = item
+        if not self._active_peers[i]:
+            return  # a peer that left: its listener's last receive failed
+        peer = self.peers[i]
+        if isinstance(payload, TransportError):
+            raise self._control_error(i, payload)
+        if i in arrived:  # cannot happen: a peer sends its next step after this one ends
+            raise AFDPeerError(
+                f"{self._me()}: attention rank {peer} announced a second step before its "
+                f"step {arrived[i].step} was served"
+            )
+        expect = Expectation(peer, self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i])
+        try:
+            msg = decode(payload, expect)
+        except ControlError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        if msg.step != self._peer_step[i]:
+            raise AFDPeerError(
+                f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
+                f"{self._peer_step[i]} is next for it (a control message was lost or sent "
+                "twice; the two sides are out of step)"
+            )
+        if msg.is_shutdown:
+            self._active_peers[i] = False
+            logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
+        else:
+            self._peer_step[i] += 1
+        arrived[i] = msg
 
     def _control_error(self, i: int, exc) -> AFDPeerError:
         return AFDPeerError(
@@ -622,7 +780,7 @@ class PointToPointConnector(AFDConnector):
     def _batch_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
             f"{self._me()} waiting for layer {layer} (micro-batch {microbatch}) of step "
-            f"{self._step} from attention rank {self.peers[i]}: {exc}"
+            f"{self._peer_step[i] - 1} from attention rank {self.peers[i]}: {exc}"
         )
 
     def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch:
@@ -682,7 +840,7 @@ class PointToPointConnector(AFDConnector):
     def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
             f"{self._me()} returning layer {layer} (micro-batch {microbatch}) of step "
-            f"{self._step} to attention rank {self.peers[i]}: {exc}"
+            f"{self._peer_step[i] - 1} to attention rank {self.peers[i]}: {exc}"
         )
 
     def finish_step(self, failure: StepStatus | None = None) -> None:
@@ -692,11 +850,14 @@ class PointToPointConnector(AFDConnector):
         t = self._require("ffn")
         plan = self._require_plan()
         status = failure or StepStatus(self._step, ffn_rank=self.role_rank)
-        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
-        live = [i for i, p in enumerate(self.peers) if any(m.sender_rank == p for m in plan.live)]
+        step_of = {m.sender_rank: m.step for m in plan.live}  # each peer counts its own steps
         handles = []
         try:
-            for i in live:
+            for i, peer in enumerate(self.peers):
+                if peer not in step_of:
+                    continue
+                mine = dataclasses.replace(status, step=step_of[peer])
+                payload = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
                 handles.append((i, t.isend(payload, i + 1, STATUS_TAG)))
             for i, layer, mb, handle in self._pending_sends:
                 try:
@@ -708,8 +869,8 @@ class PointToPointConnector(AFDConnector):
                     handle.wait()
                 except TransportError as exc:
                     raise AFDPeerError(
-                        f"{self._me()} ending step {self._step} with attention rank "
-                        f"{self.peers[i]}: {exc}"
+                        f"{self._me()} ending step {step_of[self.peers[i]]} with attention "
+                        f"rank {self.peers[i]}: {exc}"
                     ) from None
         finally:
             self._pending_sends.clear()

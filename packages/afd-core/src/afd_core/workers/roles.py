@@ -19,20 +19,26 @@ from collections.abc import Callable, Iterator
 from afd_core.config import require_afd_config
 from afd_core.connectors.base import AFDConnector, AFDPeerError, WireSpec
 from afd_core.connectors.factory import build_connector
+from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.registration import assert_steps_ok_for
 from afd_core.runtime import install_connector
 from afd_core.step.ffn import FFNStepServer
+from afd_core.step.ffn_tp import TensorParallelFollower, TensorParallelLeader, tp_group_name
 from afd_core.step.split import SplitPolicy
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
 
 logger = get_logger(__name__)
 
 
-def role_rank(vllm_config, tp_rank: int) -> int:
-    """Attention/FFN rank of this worker: (global DP index) * TP size + TP rank."""
+def role_rank(vllm_config, afd, tp_rank: int) -> int:
+    """This worker's rank in its role. Attention: every worker is one, numbered from the
+    server's start_rank by (DP index) * TP size + TP rank. FFN: the server is one FFN rank
+    (start_rank); its tensor-parallel workers shard it."""
     pc = vllm_config.parallel_config
-    return pc.data_parallel_index * pc.tensor_parallel_size + tp_rank
+    if afd.is_ffn:
+        return afd.start_rank + pc.data_parallel_index
+    return afd.start_rank + pc.data_parallel_index * pc.tensor_parallel_size + tp_rank
 
 
 def torch_dtype_name(dtype) -> str:
@@ -85,7 +91,8 @@ class _Role:
         self.vllm_config = vllm_config
         self.config = require_afd_config(vllm_config)
         assert_steps_ok_for(self.config)
-        self.rank = role_rank(vllm_config, tp_rank)
+        self.rank = role_rank(vllm_config, self.config, tp_rank)
+        self.tp_rank = tp_rank
         self.connector: AFDConnector | None = None
 
     def _connect(self, model) -> None:
@@ -131,13 +138,17 @@ class AttentionRole(_Role):
 
 
 class FFNRole(_Role):
-    """Serves the FFN half of every layer for this rank's attention peers."""
+    """Serves the FFN half of every layer for this rank's attention peers. On an FFN server
+    with tensor parallelism, TP rank 0 serves and the others follow (afd_core.step.ffn_tp)."""
 
     def __init__(self, vllm_config, tp_rank: int):
         super().__init__(vllm_config, tp_rank)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.server: FFNStepServer | None = None
+        self.tp_leader: TensorParallelLeader | None = None
+        self.tp_follower: TensorParallelFollower | None = None
         self._fail_next: tuple[int, str] | None = None  # a drill: (layer, reason)
 
     @property
@@ -146,9 +157,41 @@ class FFNRole(_Role):
 
     def attach(self, model, forward_context: Callable[[], contextlib.AbstractContextManager]):
         self.model = model
-        self._connect(model)
+        self.forward_context = forward_context
+        wire = make_wire_spec(self.vllm_config, model)
+        self.connector = build_connector(self.config, self.rank, wire)
+        if self.tp_rank > 0:
+            self._join_as_follower(wire)
+            return
+        self.connector.init()
+        if self.tp_size > 1:
+            self.tp_leader = TensorParallelLeader(self._tp_transport(), self.tp_size, self.rank)
         self.server = FFNStepServer(
             self.connector, model.ffn_layer_indices(), self._compute, forward_context
+        )
+
+    def _tp_transport(self):
+        # a follower waits for its leader, whose start-up waits for the attention peers
+        transport = self.connector.make_side_transport(
+            tp_group_name(self.rank), self.tp_rank, self.tp_size, connect_scale=2.0
+        )
+        try:
+            transport.connect()
+        except TransportError as exc:
+            raise AFDPeerError(
+                f"FFN rank {self.rank} TP rank {self.tp_rank}: tensor-parallel group: {exc}"
+            ) from None
+        return transport
+
+    def _join_as_follower(self, wire) -> None:
+        import torch
+
+        self.tp_follower = TensorParallelFollower(
+            self._tp_transport(),
+            self.rank,
+            self.tp_rank,
+            wire.hidden_size,
+            getattr(torch, wire.dtype),
         )
 
     def _compute(self, layer: int, hidden_states, router_logits):
@@ -156,35 +199,77 @@ class FFNRole(_Role):
             _, reason = self._fail_next
             self._fail_next = None
             raise RuntimeError(f"injected FFN step failure ({reason})")
-        return self.model.compute_ffn_output(layer, hidden_states)
+        if self.tp_leader is None:
+            return self.model.compute_ffn_output(layer, hidden_states)
+        self.tp_leader.share(layer, hidden_states)
+        try:
+            return self.model.compute_ffn_output(layer, hidden_states)
+        except Exception as exc:
+            # the followers may be inside the layer's collectives: no later step could
+            # line up with them
+            raise AFDPeerError(
+                f"FFN rank {self.rank}: layer {layer} failed on TP rank 0 after its "
+                f"tensor-parallel group started it ({type(exc).__name__}: {exc}); the group "
+                "cannot stay in step, the FFN server stops"
+            ) from exc
+
+    def _follow(self, layer: int, hidden_states) -> None:
+        with self.forward_context():
+            self.model.compute_ffn_output(layer, hidden_states)
 
     def inject_failure(self, layer: int, reason: str) -> None:
-        """Make the next step's compute fail at `layer` (drills and tests)."""
+        """Make the next step's compute fail at `layer` (drills and tests; TP rank 0
+        decides for its group)."""
         self._fail_next = (layer, reason)
 
     def serve_step(self) -> bool:
         return self.server.serve_step()
 
+    def stats(self) -> dict:
+        """What this worker served: steps (TP rank 0) and layer computations shared with or
+        followed in its tensor-parallel group."""
+        out = {"rank": self.rank, "tp_rank": self.tp_rank}
+        if self.server is not None:
+            out |= {"steps": self.server.steps, "failed": self.server.failed_steps}
+        if self.tp_leader is not None:
+            out["tp_computations"] = self.tp_leader.shared
+        if self.tp_follower is not None:
+            out["tp_computations"] = self.tp_follower.computed
+        return out
+
     def start(self, on_fatal: Callable[[BaseException | None], None]) -> None:
+        name = f"FFN rank {self.rank}" + (f" TP rank {self.tp_rank}" if self.tp_size > 1 else "")
+
         def loop():
             try:
-                self.server.serve(self._stop)
+                if self.tp_follower is not None:
+                    self.tp_follower.serve(self._follow, self._stop)
+                else:
+                    self.server.serve(self._stop)
+                    if self.tp_leader is not None:
+                        self.tp_leader.stop()
                 if not self._stop.is_set():
-                    logger.warning(
-                        "AFD FFN rank %d: every attention peer left the deployment after %d "
-                        "steps; this FFN server stops (restart the deployment to serve again)",
-                        self.rank,
-                        self.steps,
-                    )
+                    if self.tp_follower is not None:
+                        logger.warning(
+                            "AFD %s: TP rank 0 stopped the group after %d layer computations",
+                            name,
+                            self.tp_follower.computed,
+                        )
+                    else:
+                        logger.warning(
+                            "AFD %s: every attention peer left the deployment after %d steps; "
+                            "this FFN server stops (restart the deployment to serve again)",
+                            name,
+                            self.steps,
+                        )
                     on_fatal(None)
             except BaseException as exc:  # noqa: BLE001 - reported, then the process stops
                 if self._stop.is_set():
                     return
+                if self.tp_leader is not None:
+                    self.tp_leader.stop()
                 logger.error(
-                    "AFD FFN rank %d stopped: %s",
-                    self.rank,
-                    exc,
-                    exc_info=not isinstance(exc, AFDPeerError),
+                    "AFD %s stopped: %s", name, exc, exc_info=not isinstance(exc, AFDPeerError)
                 )
                 on_fatal(exc)
 
@@ -195,6 +280,9 @@ class FFNRole(_Role):
         self._stop.set()
         if self.connector is not None:
             self.connector.close()
+        for side in (self.tp_leader, self.tp_follower):
+            if side is not None:
+                side.close()
 
 
 def terminate_this_process(exc: BaseException | None) -> None:

@@ -1,0 +1,277 @@
+"""Scale-out at the connector level, across real processes (gloo): a rank missing from the
+deployment, a rank claimed twice, ranks that disagree on the deployment's shape, and an FFN
+rank sharded over tensor parallel (TP rank 0 exchanges, the followers compute the same
+layers with it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import pytest
+
+from tests.afd_core.gloo_harness import assert_no_errors, free_port, make, run_processes
+from tests.afd_core.test_step_protocol import expected, initial
+
+pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
+
+CONNECT_TIMEOUT = 15.0  # spawned processes start seconds apart on two busy cores
+
+
+def init_main(index, role, rank, a, f, port, q):
+    """Start up one rank; report how it ended and how long its init took."""
+    t0 = time.monotonic()
+    try:
+        conn = make(role, rank, a, f, port, connect_timeout=CONNECT_TIMEOUT)
+        import torch  # noqa: F401 - imported before the clock starts
+
+        t0 = time.monotonic()
+        conn.init()
+        conn.close()
+        out = "connected"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out = f"{type(exc).__name__}: {exc}"
+    q.put((index, (out, time.monotonic() - t0)))
+
+
+def start_up(ranks: list[tuple[str, int, int, int]]) -> list[tuple[str, float]]:
+    """(role, rank, A, F) per process, all on one rendezvous; their outcomes."""
+    port = free_port()
+    results = run_processes(
+        [(init_main, i, role, r, a, f, port) for i, (role, r, a, f) in enumerate(ranks)]
+    )
+    return list(results.values())
+
+
+def test_a_missing_ffn_rank_fails_every_rank_naming_it_within_the_connect_timeout():
+    # 2A2F, FFN rank 1's server never starts
+    outcomes = start_up([("ffn", 0, 2, 2), ("attention", 0, 2, 2), ("attention", 1, 2, 2)])
+    assert len(outcomes) == 3
+    for text, seconds in outcomes:
+        assert "FFN rank 1 of the deployment never joined" in text, text
+        assert seconds < CONNECT_TIMEOUT + 8, (text, seconds)
+
+
+def test_a_rank_claimed_twice_fails_every_rank_naming_it():
+    # two servers both started as attention rank 0 (and so none as rank 1): the deployment
+    # cannot complete, and the second claim is named to everyone at once, before the
+    # connect timeout would name the missing rank. (A duplicate arriving after a deployment
+    # completed is refused alone; the deployment goes on.)
+    outcomes = start_up([("ffn", 0, 2, 1), ("attention", 0, 2, 1), ("attention", 0, 2, 1)])
+    assert len(outcomes) == 3
+    for text, seconds in outcomes:
+        assert "two servers claim attention rank 0" in text, text
+        assert seconds < CONNECT_TIMEOUT, (text, seconds)
+
+
+def test_ranks_that_disagree_on_the_deployment_fail_every_rank_naming_the_field():
+    # FFN rank 1's server was told 4 attention ranks, the others 2
+    outcomes = start_up(
+        [("ffn", 0, 2, 2), ("ffn", 1, 4, 2), ("attention", 0, 2, 2), ("attention", 1, 2, 2)]
+    )
+    assert len(outcomes) == 4
+    for text, _ in outcomes:
+        assert "AFD handshake failed" in text and "num_attention_ranks=" in text, text
+        assert "4" in text and "2" in text, text
+
+
+def job(conn, rank, step, mb, n):
+    """One micro-batch of attention rank `rank`: every layer exchanged, DBO yield between."""
+
+    def run():
+        from afd_core.step.microbatch import yield_to_next_microbatch
+
+        h = initial(rank, step, mb, n)
+        for layer in range(LAYERS):
+            ex = conn.start_exchange(h + 1, layer, mb)
+            yield_to_next_microbatch()
+            h = ex.wait()
+        return h
+
+    return run
+
+
+# -- an FFN rank over tensor parallel ------------------------------------------------------
+
+LAYERS = 3
+STEPS = [(2, 3), (0, 4), (1, 1, 1, 1), (5,)]  # rows per micro-batch; zero rows in step 1
+FAIL_AT = {(2, 1)}  # (step, layer): TP rank 0's compute raises before it shares the layer
+
+
+def tp_leader_main(port, q):
+    try:
+        from afd_core.step.ffn import FFNStepServer
+        from afd_core.step.ffn_tp import TensorParallelLeader, tp_group_name
+
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS)
+        conn.init()
+        side = conn.make_side_transport(tp_group_name(0), 0, 2, connect_scale=2.0)
+        side.connect()
+        leader = TensorParallelLeader(side, 2, 0)
+        computed = []
+        state = {"step": 0}
+
+        def compute(layer, h, _logits):
+            if (state["step"], layer) in FAIL_AT:
+                raise RuntimeError(f"injected failure at layer {layer}")
+            leader.share(layer, h)
+            computed.append((layer, h.shape[0], float(h.sum())))
+            return h * 2 + layer
+
+        server = FFNStepServer(conn, list(range(LAYERS)), compute)
+        original = conn.recv_control
+
+        def recording():
+            plan = original()
+            state["step"] = plan.step
+            return plan
+
+        conn.recv_control = recording
+        server.serve(threading.Event())
+        leader.stop()
+        conn.close()
+        q.put(("leader", {"computed": computed, "failed": server.failed_steps}))
+    except Exception:
+        q.put(("leader", "ERROR " + traceback.format_exc()))
+
+
+def tp_follower_main(port, q):
+    try:
+        import torch
+
+        from afd_core.step.ffn_tp import TensorParallelFollower, tp_group_name
+        from tests.afd_core.gloo_harness import HIDDEN
+
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS)  # never initialized: not a rank
+        side = conn.make_side_transport(tp_group_name(0), 1, 2, connect_scale=2.0)
+        side.connect()
+        follower = TensorParallelFollower(side, 0, 1, HIDDEN, torch.float32)
+        computed = []
+        follower.serve(
+            lambda layer, h: computed.append((layer, h.shape[0], float(h.sum()))),
+            threading.Event(),
+        )
+        q.put(("follower", computed))
+    except Exception:
+        q.put(("follower", "ERROR " + traceback.format_exc()))
+
+
+def tp_attention_main(port, q):
+    try:
+        import torch
+
+        from afd_core.connectors.base import AFDStepError
+        from afd_core.step.attention import AttentionStepDriver
+
+        conn = make("attention", 0, 1, 1, port, layers=LAYERS)
+        conn.init()
+        driver = AttentionStepDriver(conn)
+        outcome = []
+
+        for step, rows in enumerate(STEPS):
+            try:
+                out = driver.run(rows, [job(conn, 0, step, mb, n) for mb, n in enumerate(rows)])
+            except AFDStepError as exc:
+                outcome.append(f"step failed: {exc}")
+                continue
+            for mb, n in enumerate(rows):
+                assert torch.equal(out[mb], expected(0, step, mb, n, LAYERS)), (step, mb)
+            outcome.append("ok")
+        driver.close()
+        conn.close()
+        q.put(("attention", outcome))
+    except Exception:
+        q.put(("attention", "ERROR " + traceback.format_exc()))
+
+
+def test_an_ffn_rank_over_tensor_parallel_computes_every_layer_on_every_tp_rank():
+    port = free_port()
+    results = run_processes(
+        [(tp_leader_main, port), (tp_follower_main, port), (tp_attention_main, port)]
+    )
+    assert_no_errors(results)
+    out = results["attention"]
+    assert out[0] == out[1] == out[3] == "ok", out
+    assert out[2].startswith("step failed") and "layer 1" in out[2], out
+    leader = results["leader"]
+    assert leader["failed"] == 1
+    # the follower computed exactly what TP rank 0 computed, in the same order: no
+    # zero-row micro-batch, nothing of the failed step after the failure
+    assert results["follower"] == leader["computed"]
+    n_rows = sum(1 for rows in STEPS for n in rows if n) * LAYERS
+    assert len(leader["computed"]) == n_rows - 4 * (LAYERS - 1)  # step 2: only layer 0 ran
+
+
+# -- attention ranks of two servers on one FFN rank --------------------------------------
+
+
+def server_attention_main(rank, port, steps, delay, q):
+    """Attention rank `rank` as the only rank of its own server (start_rank = rank): after
+    `delay` seconds, run `steps` (rows per micro-batch each); report when it ran."""
+    try:
+        import torch
+
+        from afd_core.step.attention import AttentionStepDriver
+
+        conn = make("attention", rank, 2, 1, port, layers=LAYERS, start_rank=rank)
+        conn.init()
+        driver = AttentionStepDriver(conn)
+        time.sleep(delay)
+        t0 = time.time()
+
+        for step, rows in enumerate(steps):
+            out = driver.run(rows, [job(conn, rank, step, mb, n) for mb, n in enumerate(rows)])
+            for mb, n in enumerate(rows):
+                assert torch.equal(out[mb], expected(rank, step, mb, n, LAYERS)), (step, mb)
+        t1 = time.time()
+        driver.close()
+        conn.close()
+        q.put((("attention", rank), (t0, t1)))
+    except Exception:
+        q.put((("attention", rank), "ERROR " + traceback.format_exc()))
+
+
+def plain_ffn_main(port, q):
+    try:
+        from afd_core.step.ffn import FFNStepServer
+
+        conn = make("ffn", 0, 2, 1, port, layers=LAYERS)
+        conn.init()
+        plans = []
+        original = conn.recv_control
+
+        def recording():
+            plan = original()
+            if plan.live:
+                plans.append(tuple(m.sender_rank for m in plan.live))
+            return plan
+
+        conn.recv_control = recording
+        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, _: h * 2 + layer)
+        server.serve(threading.Event())
+        conn.close()
+        q.put(("ffn", plans))
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def test_an_ffn_rank_serves_two_attention_servers_without_waiting_for_the_idle_one():
+    """Two attention servers step on their own (vLLM keeps only one server's data-parallel
+    ranks in lockstep): the FFN rank serves the one that announced a step and never waits
+    for the idle one."""
+    port = free_port()
+    busy = [(2, 3), (4,), (1, 1, 1, 1), (3,)]
+    results = run_processes(
+        [
+            (plain_ffn_main, port),
+            (server_attention_main, 0, port, busy, 0.0),
+            (server_attention_main, 1, port, [(2,), (1, 2)], 4.0),  # idle for 4 s first
+        ]
+    )
+    assert_no_errors(results)
+    (_, end0), (start1, _) = results[("attention", 0)], results[("attention", 1)]
+    assert end0 < start1, "attention rank 0 waited for the idle server"
+    plans = results["ffn"]
+    assert plans[: len(busy)] == [(0,)] * len(busy), plans  # rank 0's steps, alone
+    assert plans[len(busy) :] == [(1,), (1,)], plans

@@ -1,0 +1,106 @@
+"""Deployments of several servers per role, as real `vllm serve` processes (Qwen3-MoE, fp32
+greedy): every attention server gives exactly the colocated server's tokens.
+
+One deployment answers the scale-out cases at once (five servers start in about the time
+of one on this machine, and each extra deployment costs minutes):
+* two FFN servers (FFN ranks 0 and 1), FFN rank 0 sharded over tensor parallel 2;
+* FFN rank 0 serving attention ranks from two servers (2A1F across servers), FFN rank 1
+  serving one server's two data-parallel ranks.
+Then a deployment whose second FFN and second attention server never start: both servers
+that did start fail within the connect timeout, naming FFN rank 1 and attention rank 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from afd_plugin.launcher import (
+    SHARED_CORES,
+    Server,
+    ServerSpec,
+    free_port,
+    running,
+    scale_out_deployment,
+)
+from tests.e2e.conftest import COLOCATED_ALONE, DEV_MODE, assert_same, rpc, run_prompts
+
+pytestmark = pytest.mark.e2e
+
+ARCH = "qwen3_moe"
+
+
+def with_reference(model, log_dir, servers: list[Server]) -> list[Server]:
+    """The servers, plus a colocated one if no module of this session has run it yet."""
+    if ARCH in COLOCATED_ALONE:
+        return servers
+    spec = ServerSpec(f"{ARCH}-scale-colocated", model, free_port(), env=SHARED_CORES)
+    return [Server(spec, log_dir), *servers]
+
+
+def reference(servers: list[Server]) -> list:
+    if ARCH not in COLOCATED_ALONE:
+        colocated = next(s for s in servers if s.spec.name.endswith("colocated"))
+        COLOCATED_ALONE[ARCH] = run_prompts(colocated.url)
+    return COLOCATED_ALONE[ARCH]
+
+
+def test_four_attention_ranks_on_three_servers_two_ffn_servers_one_over_tp2(checkpoints, log_dir):
+    """Attention servers of 1, 1 and 2 data-parallel ranks (ranks 0, 1, 2-3); FFN server 0
+    (FFN rank 0, tensor parallel 2) serves ranks 0 and 1, which are on two servers that step
+    on their own; FFN server 1 serves ranks 2 and 3, one server's DP ranks in lockstep."""
+    model = str(checkpoints(ARCH))
+    afd = scale_out_deployment(
+        model, log_dir, attention=[1, 1, 2], ffn=[2, 1], env=DEV_MODE, tag=f"{ARCH}-4a2f-"
+    )
+    servers = with_reference(model, log_dir, afd)
+    with running(servers, timeout=600):
+        ref = reference(servers)
+        for att in [s for s in servers if "attention" in s.spec.name]:
+            assert_same(ref, run_prompts(att.url))
+        ffn0 = next(s for s in servers if s.spec.name.endswith("ffn0"))
+        leader, follower = rpc(ffn0.url, "afd_step_stats")
+    # TP rank 0 exchanged with attention ranks 0 and 1; TP rank 1 computed every layer with it
+    ranks = [(w["rank"], w["tp_rank"]) for w in (leader, follower)]
+    assert ranks == [(0, 0), (0, 1)], ranks
+    assert leader["steps"] > 0 and leader["failed"] == 0, leader
+    assert follower["tp_computations"] == leader["tp_computations"] > 0, (leader, follower)
+
+
+CONNECT_TIMEOUT_S = 20
+
+
+def test_a_missing_ffn_server_fails_every_server_naming_the_rank(checkpoints, log_dir):
+    model = str(checkpoints(ARCH))
+    afd = scale_out_deployment(
+        model,
+        log_dir,
+        attention=[1, 1],
+        ffn=[1, 1],
+        afd_extra={"connector_extra_config": {"connect_timeout_s": CONNECT_TIMEOUT_S}},
+        tag=f"{ARCH}-missing-",
+    )
+    # only FFN rank 0 and attention rank 0 start (two servers keep this test short)
+    started = [s for s in afd if s.spec.name.endswith(("ffn0", "attention0"))]
+    try:
+        for s in started:
+            s.start()
+        t0 = time.monotonic()
+        for s in started:
+            # model loading (~30 s here) comes before the connect timeout starts
+            s.proc.wait(timeout=CONNECT_TIMEOUT_S + 150)
+        elapsed = time.monotonic() - t0
+    finally:
+        for s in started:
+            s.stop()
+    for s in started:
+        log = s.log_path.read_text(errors="replace")
+        assert "FFN rank 1, attention rank 1 of the deployment never joined" in log, (
+            s.spec.name,
+            s.log_tail(60),
+        )
+        assert s.proc.returncode != 0
+    print(
+        f"every server exited {elapsed:.0f} s after start (connect timeout {CONNECT_TIMEOUT_S} s)"
+    )
