@@ -16,9 +16,9 @@ pytestmark = pytest.mark.e2e
     [
         ({"role": "attention", "prot": 1}, [], "unknown key 'prot'. Did you mean 'port'?"),
         (
-            {"role": "attention", "num_attention_ranks": 2},
+            {"role": "attention", "num_attention_ranks": 2, "start_rank": 2},
             [],
-            "num_attention_ranks=2, but this attention server runs 1 workers",
+            "start_rank=2 is out of range for an attention server",
         ),
         ({"role": "ffn"}, ["--enable-dbo"], "--enable-dbo on an FFN server"),
     ],

@@ -11,6 +11,7 @@ fails a pending receive at once. vLLM's own process groups are never touched.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 
 from afd_core.connectors.p2p import PointToPointConnector
@@ -51,6 +52,10 @@ class GlooTransport(Transport):
             # sleeps up to ~10 s, which would overshoot a short connect timeout
             remaining = self._deadline - time.monotonic()
             attempt = remaining if self.is_store_master else min(remaining, STORE_ATTEMPT_S)
+            listening = self.is_store_master or _listening(self.host, self.port)
+            if not listening and remaining > 0.5:
+                time.sleep(0.2)  # not up yet: wait quietly (TCPStore logs every failure)
+                continue
             try:
                 self._store = dist.TCPStore(
                     self.host,
@@ -176,6 +181,14 @@ class GlooTransport(Transport):
 
     def irecv_control(self, tensor, peer: int) -> Handle:
         return self._handle(lambda: self._ctrl.recv([tensor], peer, 0), "control receive")
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _reason(exc: BaseException, timeout_s: float) -> str:
