@@ -78,9 +78,11 @@ def main() -> int:
         long = batch_seconds(url, a.batch, SHORT + a.tokens)
         return (long - short) / a.tokens
 
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause and /resume for one batch per step
     results: dict[str, tuple[float, float | None]] = {}
     colo = Server(
-        ServerSpec("colocated", model, free_port(), extra_args=common, env=SHARED_CORES), logs
+        ServerSpec("colocated", model, free_port(), extra_args=common, env={**SHARED_CORES, **dev}),
+        logs,
     )
     with running([colo], timeout=600):
         batch_seconds(colo.url, 4, 4)
@@ -93,7 +95,7 @@ def main() -> int:
     for name, ffn in shapes.items():
         trace = str(logs / f"trace-{len(results)}")
         servers = scale_out_deployment(
-            model, logs, attention=[2], ffn=ffn, env={"AFD_STEP_TRACE": trace}, tag=f"{ffn}-"
+            model, logs, attention=[2], ffn=ffn, env={"AFD_STEP_TRACE": trace, **dev}, tag=f"{ffn}-"
         )
         for s in servers:
             s.spec.extra_args += common
