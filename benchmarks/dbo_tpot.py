@@ -51,7 +51,7 @@ def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, floa
 
 def main() -> int:
 
-    from afd_models.tiny import TinySpec, tiny_checkpoint
+    from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
     from afd_plugin.launcher import Server, ServerSpec, collective_rpc, free_port, running
 
     spec_ = importlib.util.spec_from_file_location(
@@ -65,17 +65,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    spec = TinySpec(
-        "qwen3_moe",
-        num_layers=4,
-        num_experts=16,
-        top_k=2,
-        hidden_size=1024,
-        num_heads=8,
-        head_dim=128,
-        intermediate_size=2048,
-        moe_intermediate_size=512,
-    )
+    spec = BENCHMARK_MOE
     model = str(tiny_checkpoint(spec))
     logs = Path(tempfile.mkdtemp(prefix="afd-dbo-tpot-"))
     trace = str(logs / "trace")

@@ -43,7 +43,7 @@ def compute_per_layer(trace_prefix: str, start: float) -> float:
 
 
 def main() -> int:
-    from afd_models.tiny import TinySpec, tiny_checkpoint
+    from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
     from afd_plugin.launcher import (
         SHARED_CORES,
         Server,
@@ -58,17 +58,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    spec = TinySpec(
-        "qwen3_moe",
-        num_layers=4,
-        num_experts=16,
-        top_k=2,
-        hidden_size=1024,
-        num_heads=8,
-        head_dim=128,
-        intermediate_size=2048,
-        moe_intermediate_size=512,
-    )
+    spec = BENCHMARK_MOE
     model = str(tiny_checkpoint(spec))
     logs = Path(tempfile.mkdtemp(prefix="afd-scale-out-"))
     common = ["--max-num-seqs", str(a.batch), "--max-model-len", "256"]

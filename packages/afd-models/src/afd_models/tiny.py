@@ -79,6 +79,21 @@ class TinySpec:
         return f"{self.arch}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+# The benchmarks' model: big enough that per-layer compute dominates Python and thread
+# switches on a CPU (hidden 1024, 16 experts), small enough to build in seconds.
+BENCHMARK_MOE = TinySpec(
+    "qwen3_moe",
+    num_layers=4,
+    num_experts=16,
+    top_k=2,
+    hidden_size=1024,
+    num_heads=8,
+    head_dim=128,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+)
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("AFD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "afd"
