@@ -60,6 +60,9 @@ def test_ctrl_c_stops_every_server(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # as from a terminal: a suite started in the background (`./scripts/test &` in a
+        # script) hands its children SIGINT ignored, and Python then keeps it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and len(leftover(str(tmp_path / "cache"))) < 2:

@@ -64,6 +64,7 @@ FAILED_KEY = "afd/failed"  # the store key holding why start-up failed, for ever
 FAILED_SEEN_KEY = "afd/failed/seen"  # ranks that left a failed start-up
 TIMED_OUT_KEY = "afd/failed/timed-out"  # set when start-up failed because ranks never came
 CLAIMS_KEY = "afd/claims"  # ranks that claimed a place (duplicates included)
+ROLL_CALL_KEY = "afd/roll-call"  # ranks whose claim and deployment shape were accepted
 FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
 
 
@@ -223,6 +224,15 @@ class PointToPointConnector(AFDConnector):
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         self._roll_call(transport, extra.connect_timeout_s)
         try:
+            # No group connects before every rank of the deployment has claimed its place
+            # and checked its shape: a rank inside gloo's connect cannot see a failure
+            # recorded meanwhile, and would only find the store gone when FFN rank 0 stops.
+            transport.barrier(
+                ROLL_CALL_KEY,
+                self.topology.world_size,
+                deadline - time.monotonic(),
+                fail_key=FAILED_KEY,
+            )
             transport.join_group(fail_key=FAILED_KEY)
         except TransportError as exc:
             raise self._start_up_error(transport, exc) from None
