@@ -17,9 +17,34 @@ def afd_exe() -> str:
     return exe
 
 
+DEFERRED_STEP_FAILS = (
+    "import sys, afd_core.patches.step_failure as sf\n"
+    "def moved(module): raise RuntimeError('update_from_output moved')\n"
+    "sf._patch = moved\n"
+    "from afd_plugin.cli import main; sys.exit(main(['doctor']))"
+)
+
+
+@pytest.fixture(scope="module")
+def doctor_runs():
+    """The doctor runs with vLLM, started together: each is mostly one core importing vLLM."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def cli(*args):
+        return subprocess.run([afd_exe(), *args], capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {
+            "text": pool.submit(cli, "doctor"),
+            "json": pool.submit(cli, "doctor", "--json"),
+            "deferred step fails": pool.submit(run_python, DEFERRED_STEP_FAILS),
+        }
+        return {name: future.result() for name, future in runs.items()}
+
+
 @pytest.mark.vllm
-def test_doctor_reports_vllm_cpu_and_passes():
-    r = subprocess.run([afd_exe(), "doctor"], capture_output=True, text=True, timeout=300)
+def test_doctor_reports_vllm_cpu_and_passes(doctor_runs):
+    r = doctor_runs["text"]
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "vllm                0.32.0 (distribution vllm-cpu)" in out
@@ -37,8 +62,8 @@ def test_doctor_reports_vllm_cpu_and_passes():
 
 
 @pytest.mark.vllm
-def test_doctor_json():
-    r = subprocess.run([afd_exe(), "doctor", "--json"], capture_output=True, text=True, timeout=300)
+def test_doctor_json(doctor_runs):
+    r = doctor_runs["json"]
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["ok"] is True
     assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
@@ -47,13 +72,8 @@ def test_doctor_json():
 
 
 @pytest.mark.vllm
-def test_doctor_shows_a_deferred_step_that_fails_later():
-    r = run_python(
-        "import sys, afd_core.patches.step_failure as sf\n"
-        "def moved(module): raise RuntimeError('update_from_output moved')\n"
-        "sf._patch = moved\n"
-        "from afd_plugin.cli import main; sys.exit(main(['doctor']))",
-    )
+def test_doctor_shows_a_deferred_step_that_fails_later(doctor_runs):
+    r = doctor_runs["deferred step fails"]
     assert r.returncode == 1, r.stdout + r.stderr
     assert (
         "patch:step_failure                     failed  (RuntimeError: update_from_output"
