@@ -86,7 +86,8 @@ def test_explicit_mismatching_worker_names_both(engine_config):
         (
             {"role": "attention", "compute_gate_on_attention": True},
             {},
-            r"compute_gate_on_attention=True is not supported",
+            r"compute_gate_on_attention=True is not supported for Qwen3MoeForCausalLM "
+            r"\(AFDQwen3MoeForCausalLM runs the router on the FFN side\); allowed: false",
         ),
     ],
 )
@@ -174,3 +175,20 @@ def test_ffn_engine_rejects_requests():
     with pytest.raises(GracefulHTTPError, match="AFD FFN server") as e:
         AsyncLLM.check_admission(Fake({"afd": {"role": "ffn"}}))
     assert e.value.http_status == 400
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV4ForCausalLM", "Qwen3_5MoeForConditionalGeneration"])
+def test_a_registered_wrapper_that_is_not_implemented_stops_start_up_with_its_reason(arch):
+    from types import SimpleNamespace
+
+    import afd_plugin
+    from afd_core.config import parse_afd_config
+    from afd_core.patches.config_validation import validate_model
+
+    afd_plugin.register_afd()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]))
+    )
+    with pytest.raises(Exception, match=rf"AFD{arch} is registered but not implemented") as err:
+        validate_model(parse_afd_config({"role": "ffn"}), config)
+    assert "AFD runs: DeepseekForCausalLM" in str(err.value)

@@ -76,15 +76,17 @@ def test_ranks_that_disagree_on_the_deployment_fail_every_rank_naming_the_field(
         assert "4" in text and "2" in text, text
 
 
-def job(conn, rank, step, mb, n):
-    """One micro-batch of attention rank `rank`: every layer exchanged, DBO yield between."""
+def job(conn, rank, step, mb, n, router_width=0):
+    """One micro-batch of attention rank `rank`: every layer exchanged, DBO yield between
+    (with `router_width` > 0, router logits derived from the rows travel with them)."""
 
     def run():
         from afd_core.step.microbatch import yield_to_next_microbatch
 
         h = initial(rank, step, mb, n)
         for layer in range(LAYERS):
-            ex = conn.start_exchange(h + 1, layer, mb)
+            logits = (h[:, :router_width] * 0.5 + layer) if router_width else None
+            ex = conn.start_exchange(h + 1, layer, mb, logits)
             yield_to_next_microbatch()
             h = ex.wait()
         return h
@@ -95,6 +97,7 @@ def job(conn, rank, step, mb, n):
 # -- an FFN rank over tensor parallel ------------------------------------------------------
 
 LAYERS = 3
+ROUTER = 4  # the TP group's rows come with router logits (gate on attention)
 STEPS = [(2, 3), (0, 4), (1, 1, 1, 1), (5,)]  # rows per micro-batch; zero rows in step 1
 FAIL_AT = {(2, 1)}  # (step, layer): TP rank 0's compute raises before it shares the layer
 
@@ -104,7 +107,7 @@ def tp_leader_main(port, q):
         from afd_core.step.ffn import FFNStepServer
         from afd_core.step.ffn_tp import TensorParallelLeader, tp_group_name
 
-        conn = make("ffn", 0, 1, 1, port, layers=LAYERS)
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
         conn.init()
         side = conn.make_side_transport(tp_group_name(0), 0, 2, connect_scale=2.0)
         side.connect()
@@ -112,11 +115,11 @@ def tp_leader_main(port, q):
         computed = []
         state = {"step": 0}
 
-        def compute(layer, h, _logits):
+        def compute(layer, h, logits):
             if (state["step"], layer) in FAIL_AT:
                 raise RuntimeError(f"injected failure at layer {layer}")
-            leader.share(layer, h)
-            computed.append((layer, h.shape[0], float(h.sum())))
+            leader.share(layer, h, logits)
+            computed.append((layer, h.shape[0], float(h.sum()), float(logits.sum())))
             return h * 2 + layer
 
         server = FFNStepServer(conn, list(range(LAYERS)), compute)
@@ -143,13 +146,16 @@ def tp_follower_main(port, q):
         from afd_core.step.ffn_tp import TensorParallelFollower, tp_group_name
         from tests.afd_core.gloo_harness import HIDDEN
 
-        conn = make("ffn", 0, 1, 1, port, layers=LAYERS)  # never initialized: not a rank
+        # never initialized: not a rank
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
         side = conn.make_side_transport(tp_group_name(0), 1, 2, connect_scale=2.0)
         side.connect()
-        follower = TensorParallelFollower(side, 0, 1, HIDDEN, torch.float32)
+        follower = TensorParallelFollower(side, 0, 1, HIDDEN, torch.float32, ROUTER)
         computed = []
         follower.serve(
-            lambda layer, h: computed.append((layer, h.shape[0], float(h.sum()))),
+            lambda layer, h, g: computed.append(
+                (layer, h.shape[0], float(h.sum()), float(g.sum()))
+            ),
             threading.Event(),
         )
         q.put(("follower", computed))
@@ -164,14 +170,15 @@ def tp_attention_main(port, q):
         from afd_core.connectors.base import AFDStepError
         from afd_core.step.attention import AttentionStepDriver
 
-        conn = make("attention", 0, 1, 1, port, layers=LAYERS)
+        conn = make("attention", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
         conn.init()
         driver = AttentionStepDriver(conn)
         outcome = []
 
         for step, rows in enumerate(STEPS):
+            jobs = [job(conn, 0, step, mb, n, ROUTER) for mb, n in enumerate(rows)]
             try:
-                out = driver.run(rows, [job(conn, 0, step, mb, n) for mb, n in enumerate(rows)])
+                out = driver.run(rows, jobs)
             except AFDStepError as exc:
                 outcome.append(f"step failed: {exc}")
                 continue
@@ -196,8 +203,8 @@ def test_an_ffn_rank_over_tensor_parallel_computes_every_layer_on_every_tp_rank(
     assert out[2].startswith("step failed") and "layer 1" in out[2], out
     leader = results["leader"]
     assert leader["failed"] == 1
-    # the follower computed exactly what TP rank 0 computed, in the same order: no
-    # zero-row micro-batch, nothing of the failed step after the failure
+    # the follower computed exactly what TP rank 0 computed (rows and router logits), in the
+    # same order: no zero-row micro-batch, nothing of the failed step after the failure
     assert results["follower"] == leader["computed"]
     n_rows = sum(1 for rows in STEPS for n in rows if n) * LAYERS
     assert len(leader["computed"]) == n_rows - 4 * (LAYERS - 1)  # step 2: only layer 0 ran

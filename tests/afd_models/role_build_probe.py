@@ -1,6 +1,15 @@
-"""Build one AFD role model in this process, load the checkpoint, print what it holds (JSON).
+"""Build AFD role models in this process, load their checkpoints, print what each holds.
 
-python role_build_probe.py CHECKPOINT ROLE [BACKEND]
+python role_build_probe.py JOBS_JSON
+
+JOBS_JSON: a list of {"key", "checkpoint", "role", "backend" (or null), "afd" (more `afd`
+settings, e.g. {"compute_gate_on_attention": true}), "dense_for_sparse"}. One JSON line per
+job on stdout: {"key", ...what the model holds}. Several models per process: importing vLLM
+costs far more than building a tiny model.
+
+dense_for_sparse: vLLM's CPU platform refuses sparse attention (DeepSeek-V3.2's indexer)
+when the model is built; this stand-in selects the dense CPU MLA backend for it, so the
+role's real modules (the indexer included) are built and loaded. No forward runs.
 """
 
 import json
@@ -11,16 +20,31 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
+def checkpoint_bytes(ckpt: str) -> dict[str, int]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        for k in f.keys():  # noqa: SIM118 - safe_open has no iteration protocol
+            n = 1
+            for d in f.get_slice(k).get_shape():
+                n *= d
+            out[k] = n * 4
+    return out
+
+
 def main():
-    ckpt, role = sys.argv[1], sys.argv[2]
-    backend = sys.argv[3] if len(sys.argv) > 3 else None
+    jobs = json.loads(sys.argv[1])
     import socket
 
-    from safetensors import safe_open
     from vllm.config import AttentionConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
+    from vllm.platforms.cpu import CpuPlatform
 
+    import afd_models.deepseek_v2 as ds
+    import afd_models.qwen3_moe as qw
+    import afd_models.role as role_mod
     import afd_models.weights as weights_mod
     from afd_core.workers.roles import afd_architecture
     from afd_plugin import register_afd
@@ -29,26 +53,22 @@ def main():
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
     _set_torch_accelerator_to_noop()  # as vLLM's CPU model runner does before loading
-    seen = []
-    original = weights_mod.filter_weights
 
-    def recording(r, weights):
-        for name, t in original(r, weights):
-            seen.append(name)
+    state = {"seen": [], "at_load": {}, "dense_for_sparse": False}
+    original_filter = weights_mod.filter_weights
+
+    def recording(r, weights, gate_on_attention=False):
+        for name, t in original_filter(r, weights, gate_on_attention):
+            state["seen"].append(name)
             yield name, t
 
-    import afd_models.deepseek_v2 as ds
-    import afd_models.qwen3_moe as qw
-    import afd_models.role as role_mod
-
     role_mod.filter_weights = recording
-    at_load = {}
     for cls in (ds.AFDDeepseekV2ForCausalLM, qw.AFDQwen3MoeForCausalLM):
 
         def wrap(orig):
             def load_weights(self, weights):
                 # parameter bytes as built, before vLLM repacks them for the CPU kernels
-                at_load.update(
+                state["at_load"].update(
                     {n: p.numel() * p.element_size() for n, p in self.named_parameters()}
                 )
                 return orig(self, weights)
@@ -57,39 +77,51 @@ def main():
 
         cls.load_weights = wrap(cls.load_weights)
 
-    mc = ModelConfig(model=ckpt, dtype="float32", enforce_eager=True, max_model_len=256)
-    kw = {"attention_config": AttentionConfig(backend=backend)} if backend else {}
-    vc = VllmConfig(model_config=mc, additional_config={"afd": {"role": role}}, **kw)
+    original_select = CpuPlatform.get_attn_backend_cls.__func__
+
+    def select(cls, selected_backend, attn_selector_config, num_heads=None):
+        if state["dense_for_sparse"]:
+            attn_selector_config = attn_selector_config._replace(use_sparse=False)
+        return original_select(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(select)
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with set_current_vllm_config(vc):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-        initialize_model_parallel(1, 1)
-        with afd_architecture(mc):
-            model = get_model(vllm_config=vc)
-    params = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
-        ckpt_bytes = {}
-        for k in f.keys():  # noqa: SIM118 - safe_open has no iteration protocol
-            t = f.get_slice(k)
-            shape = t.get_shape()
-            n = 1
-            for d in shape:
-                n *= d
-            ckpt_bytes[k] = n * 4
-    print(
-        json.dumps(
-            {
-                "cls": type(model).__name__,
-                "params": params,
-                "at_load": at_load,
-                "seen": seen,
-                "ckpt": ckpt_bytes,
-                "modules": sorted({type(m).__name__ for m in model.modules()}),
-            }
+    distributed = False
+    for job in jobs:
+        state.update(seen=[], at_load={}, dense_for_sparse=job.get("dense_for_sparse", False))
+        mc = ModelConfig(
+            model=job["checkpoint"], dtype="float32", enforce_eager=True, max_model_len=256
         )
-    )
+        backend = job.get("backend")
+        kw = {"attention_config": AttentionConfig(backend=backend)} if backend else {}
+        afd = {"role": job["role"], **job.get("afd", {})}
+        vc = VllmConfig(model_config=mc, additional_config={"afd": afd}, **kw)
+        with set_current_vllm_config(vc):
+            if not distributed:
+                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+                initialize_model_parallel(1, 1)
+                distributed = True
+            with afd_architecture(mc):
+                model = get_model(vllm_config=vc)
+        params = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        print(
+            json.dumps(
+                {
+                    "key": job["key"],
+                    "cls": type(model).__name__,
+                    "params": params,
+                    "at_load": state["at_load"],
+                    "seen": state["seen"],
+                    "ckpt": checkpoint_bytes(job["checkpoint"]),
+                    "modules": sorted({type(m).__name__ for m in model.modules()}),
+                }
+            ),
+            flush=True,
+        )
+        del model
 
 
 if __name__ == "__main__":

@@ -12,29 +12,57 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 PROBE = Path(__file__).with_name("role_build_probe.py")
-BACKENDS = {"deepseek_v2": "CPU_MLA", "deepseek_v3": "CPU_MLA", "qwen3_moe": None}
+BACKENDS = {
+    "deepseek_v2": "CPU_MLA",
+    "deepseek_v3": "CPU_MLA",
+    "deepseek_v32": "CPU_MLA",
+    "glm_moe_dsa": "CPU_MLA",
+    "qwen3_moe": None,
+}
+SPARSE = ("deepseek_v32", "glm_moe_dsa")  # CPU refuses their sparse attention: a stand-in
+GATED = "deepseek_v3 gate on attention"
 
 
 @pytest.fixture(scope="module")
 def built(checkpoints):
-    """(arch, role) -> what the built model holds; each build in a fresh process."""
-    jobs = {
-        (arch, role): [sys.executable, str(PROBE), str(checkpoints(arch)), role]
-        + ([backend] if backend else [])
+    """(arch, role) -> what the built model holds; the builds split over two processes."""
+    jobs = [
+        {
+            "key": [arch, role],
+            "checkpoint": str(checkpoints(arch)),
+            "role": role,
+            "backend": backend,
+            "dense_for_sparse": arch in SPARSE,
+        }
         for arch, backend in BACKENDS.items()
         for role in ("attention", "ffn")
-    }
+    ]
+    for role in ("attention", "ffn"):  # the router on the attention side
+        jobs.append(
+            {
+                "key": [GATED, role],
+                "checkpoint": str(checkpoints("deepseek_v3")),
+                "role": role,
+                "backend": "CPU_MLA",
+                "afd": {"compute_gate_on_attention": True},
+            }
+        )
 
-    def probe(cmd):
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    def probe(some):
+        cmd = [sys.executable, str(PROBE), json.dumps(some)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
-    # two at a time: each probe is mostly one core importing vLLM
+    # two processes: each is mostly one core importing vLLM, then building tiny models
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = dict(zip(jobs, pool.map(probe, jobs.values()), strict=True))
+        runs = list(pool.map(probe, [jobs[0::2], jobs[1::2]]))
     out = {}
-    for key, r in runs.items():
+    for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
-        out[key] = json.loads(r.stdout.strip().splitlines()[-1])
+        for line in r.stdout.splitlines():
+            if line.startswith('{"key"'):
+                d = json.loads(line)
+                out[tuple(d["key"])] = d
+    assert len(out) == len(jobs), sorted(out)
     return out
 
 
@@ -67,3 +95,51 @@ def test_ffn_role_holds_only_ffn_weights(built, arch):
     assert not {"MLAAttention", "Attention", "VocabParallelEmbedding", "ParallelLMHead"} & set(
         d["modules"]
     )
+
+
+def is_router_projection(name: str) -> bool:
+    return name.endswith(".mlp.gate.weight")
+
+
+def test_gate_on_attention_moves_the_router_projection_and_nothing_else(built):
+    att, ffn = built[(GATED, "attention")], built[(GATED, "ffn")]
+    routers = sorted(k for k in att["ckpt"] if is_router_projection(k))
+    assert len(routers) == 2  # MoE layers 1 and 2; layer 0 is dense
+    # attention: its own tensors plus each MoE layer's router projection, built and loaded
+    assert sorted(att["seen"]) == sorted(
+        k for k in att["ckpt"] if not is_mlp(k) or is_router_projection(k)
+    )
+    assert [n for n in att["params"] if is_mlp(n)] == routers
+    assert "GatedRemoteFFN" in att["modules"] and "MoERunner" not in att["modules"]
+    # FFN: every MLP tensor but the router projection; the routing bias stays here
+    assert sorted(ffn["seen"]) == sorted(
+        k for k in ffn["ckpt"] if is_mlp(k) and not is_router_projection(k)
+    )
+    assert not [n for n in ffn["params"] if is_router_projection(n)]
+    assert any(n.endswith("mlp.gate.e_score_correction_bias") for n in ffn["params"])
+    assert "GateLinear" not in ffn["modules"] and "MoERunner" in ffn["modules"]
+
+
+@pytest.mark.parametrize("arch", SPARSE)
+def test_the_sparse_attention_indexer_stays_on_the_attention_side(built, arch):
+    """V3.2 / GLM-MoE-DSA: vLLM's V3.2 model, not a V3 one without the indexer."""
+    att = built[(arch, "attention")]
+    assert att["cls"] == {"deepseek_v32": "AFDDeepseekV3ForCausalLM"}.get(
+        arch, "AFDGlmMoeDsaForCausalLM"
+    )
+    assert {"Indexer", "SparseAttnIndexer", "DeepseekV32IndexerCache"} <= set(att["modules"])
+    indexer_tensors = [k for k in att["ckpt"] if ".self_attn.indexer." in k]
+    assert len(indexer_tensors) == 3 * 5  # wq_b, wk, k_norm (weight, bias), weights_proj
+    assert set(indexer_tensors) <= set(att["seen"])
+    assert not [n for n in built[(arch, "ffn")]["params"] if "indexer" in n]
+
+
+def test_vllm_cpu_refuses_sparse_attention():
+    """Why V3.2 / GLM-MoE-DSA have no end-to-end test on CPU (the README's model table)."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    sparse = AttentionSelectorConfig(576, torch.float32, None, None, use_mla=True, use_sparse=True)
+    with pytest.raises(NotImplementedError, match="Sparse Attention is not supported on CPU"):
+        CpuPlatform.get_attn_backend_cls(None, sparse)

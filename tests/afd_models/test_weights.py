@@ -52,3 +52,17 @@ def test_filter_is_one_lazy_pass():
 def test_unknown_role():
     with pytest.raises(ValueError, match="role 'expert' is unknown"):
         weight_wanted("expert", "x")
+
+
+def test_gate_on_attention_moves_only_the_router_projection():
+    """The router's weight goes to attention; its correction bias, used by vLLM's expert
+    selection, stays with the experts."""
+    moved = "model.layers.1.mlp.gate.weight"
+    assert weight_wanted("attention", moved, gate_on_attention=True)
+    assert not weight_wanted("ffn", moved, gate_on_attention=True)
+    for name in FFN:
+        if name != moved:
+            assert weight_wanted("ffn", name, gate_on_attention=True), name
+    for name in ATTENTION:
+        assert weight_wanted("attention", name, gate_on_attention=True), name
+    assert [n for n, _ in filter_weights("attention", ((n, 0) for n in FFN), True)] == [moved]

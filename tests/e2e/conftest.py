@@ -60,3 +60,28 @@ def assert_same(reference, got, prompts=PROMPTS, tol: float = 1e-5):
         assert out.token_ids == ref.token_ids, prompt
         worst = max(abs(a - b) for a, b in zip(ref.logprobs, out.logprobs, strict=True))
         assert worst <= tol, (prompt, worst)
+
+
+def with_reference(arch: str, model: str, log_dir: Path, servers: list) -> list:
+    """The servers, plus a colocated one of `arch` if no module of this session has run its
+    prompts yet (COLOCATED_ALONE)."""
+    from afd_plugin.launcher import SHARED_CORES, Server, ServerSpec, free_port
+
+    if arch in COLOCATED_ALONE:
+        return servers
+    spec = ServerSpec(
+        f"{arch}-reference-colocated",
+        model,
+        free_port(),
+        attention_backend=BACKENDS[arch],
+        env=SHARED_CORES,
+    )
+    return [Server(spec, log_dir), *servers]
+
+
+def reference(arch: str, servers: list) -> list:
+    """The colocated results of `arch` for PROMPTS, one request at a time."""
+    if arch not in COLOCATED_ALONE:
+        colocated = next(s for s in servers if s.spec.name.endswith("reference-colocated"))
+        COLOCATED_ALONE[arch] = run_prompts(colocated.url)
+    return COLOCATED_ALONE[arch]

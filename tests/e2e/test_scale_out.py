@@ -16,34 +16,12 @@ import time
 
 import pytest
 
-from afd_plugin.launcher import (
-    SHARED_CORES,
-    Server,
-    ServerSpec,
-    free_port,
-    running,
-    scale_out_deployment,
-)
-from tests.e2e.conftest import COLOCATED_ALONE, DEV_MODE, assert_same, rpc, run_prompts
+from afd_plugin.launcher import running, scale_out_deployment
+from tests.e2e.conftest import DEV_MODE, assert_same, reference, rpc, run_prompts, with_reference
 
 pytestmark = pytest.mark.e2e
 
 ARCH = "qwen3_moe"
-
-
-def with_reference(model, log_dir, servers: list[Server]) -> list[Server]:
-    """The servers, plus a colocated one if no module of this session has run it yet."""
-    if ARCH in COLOCATED_ALONE:
-        return servers
-    spec = ServerSpec(f"{ARCH}-scale-colocated", model, free_port(), env=SHARED_CORES)
-    return [Server(spec, log_dir), *servers]
-
-
-def reference(servers: list[Server]) -> list:
-    if ARCH not in COLOCATED_ALONE:
-        colocated = next(s for s in servers if s.spec.name.endswith("colocated"))
-        COLOCATED_ALONE[ARCH] = run_prompts(colocated.url)
-    return COLOCATED_ALONE[ARCH]
 
 
 def test_four_attention_ranks_on_three_servers_two_ffn_servers_one_over_tp2(checkpoints, log_dir):
@@ -54,9 +32,9 @@ def test_four_attention_ranks_on_three_servers_two_ffn_servers_one_over_tp2(chec
     afd = scale_out_deployment(
         model, log_dir, attention=[1, 1, 2], ffn=[2, 1], env=DEV_MODE, tag=f"{ARCH}-4a2f-"
     )
-    servers = with_reference(model, log_dir, afd)
+    servers = with_reference(ARCH, model, log_dir, afd)
     with running(servers, timeout=600):
-        ref = reference(servers)
+        ref = reference(ARCH, servers)
         for att in [s for s in servers if "attention" in s.spec.name]:
             assert_same(ref, run_prompts(att.url))
         ffn0 = next(s for s in servers if s.spec.name.endswith("ffn0"))

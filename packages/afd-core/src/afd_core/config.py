@@ -230,19 +230,8 @@ def parse_afd_config(raw: Any, device_type: str | None = None) -> AFDConfig:
     return cfg
 
 
-def check_supported(cfg: AFDConfig) -> None:
-    """Reject features this release's model wrappers cannot run (before any resource)."""
-    if cfg.compute_gate_on_attention:
-        raise AFDConfigError(
-            "afd config: compute_gate_on_attention=True is not supported by the model "
-            "wrappers of this release (the gate runs on the FFN side); allowed: false",
-            "compute_gate_on_attention",
-            True,
-        )
-
-
 def require_afd_config(vllm_config) -> AFDConfig:
-    """The supported AFD config of a vLLM config that must have one (AFD workers, models)."""
+    """The AFD config of a vLLM config that must have one (AFD workers, models)."""
     cfg = parse_optional_afd_config(vllm_config.additional_config)
     if cfg is None:
         raise AFDConfigError(
@@ -250,7 +239,6 @@ def require_afd_config(vllm_config) -> AFDConfig:
             "key in --additional-config; they only run inside an AFD deployment",
             "afd",
         )
-    check_supported(cfg)
     return cfg
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -31,7 +32,13 @@ from vllm.model_executor.models.utils import (
 )
 
 from afd_core.config import require_afd_config
-from afd_models.role import AFDRoleModel, attention_side, ffn_side
+from afd_models.role import (
+    AFDRoleModel,
+    GatedRemoteFFN,
+    RemoteFFN,
+    attention_side,
+    ffn_side,
+)
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -99,7 +106,7 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
                 reduce_results=True,
                 **attn_kwargs,
             )
-            attention_side(self, layer_idx, config)
+            attention_side(self, layer_idx, config, self._remote_mlp(afd, config, prefix))
         else:
             ffn_side(self)
             if is_moe_layer:
@@ -112,6 +119,8 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
                     prefix=f"{prefix}.mlp",
                     apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
                 )
+                if afd.compute_gate_on_attention:
+                    _route_with_received_logits(self.mlp)
             else:
                 self.mlp = native.DeepseekV2MLP(
                     hidden_size=config.hidden_size,
@@ -121,13 +130,56 @@ class AFDDeepseekV2DecoderLayer(native.DeepseekV2DecoderLayer):
                     prefix=f"{prefix}.mlp",
                 )
 
-    def compute_ffn_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(hidden_states)
+    def _remote_mlp(self, afd, config, prefix: str) -> nn.Module:
+        """The attention side's proxy for this layer's MLP/MoE."""
+        if not afd.compute_gate_on_attention:
+            return RemoteFFN(self.layer_idx)
+        if not self.is_moe_layer:
+            return RemoteFFN(self.layer_idx, router_width=config.n_routed_experts)
+        gate = GateLinear(
+            config.hidden_size,
+            config.n_routed_experts,
+            out_dtype=native._get_moe_router_dtype(config),
+            prefix=f"{prefix}.mlp.gate",
+        )
+        return GatedRemoteFFN(self.layer_idx, gate)
+
+    def compute_ffn_output(self, hidden_states: torch.Tensor, router_logits=None) -> torch.Tensor:
+        if router_logits is not None and self.is_moe_layer:
+            out = _experts_only(self.mlp, hidden_states, router_logits)
+        else:
+            out = self.mlp(hidden_states)
         # vLLM's decoder layer keeps an fp16 residual stream scaled by 1/routed_scaling_factor
         # and rescales a dense MLP's output itself (MoE outputs are rescaled inside the MoE).
         if out.dtype == torch.float16 and isinstance(self.mlp, native.DeepseekV2MLP):
             out = out * (1.0 / self.routed_scaling_factor)
         return out
+
+
+class _RoutingBias(nn.Module):
+    """FFN side, gate on attention: what stays of a MoE layer's gate, the correction bias
+    vLLM's expert selection adds (loaded from `mlp.gate.e_score_correction_bias`)."""
+
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.e_score_correction_bias = bias
+
+
+def _route_with_received_logits(moe: native.DeepseekV2MoE) -> None:
+    """FFN side, gate on attention: the MoE runs its experts on the logits the attention
+    side sent; the router projection is not built here (its weight loads on attention)."""
+    # vLLM's MoE runner applies its gate when it holds one; without it, it routes with the
+    # router_logits it is given
+    moe.experts.gate = None
+    moe.router_dtype = moe.gate.out_dtype
+    bias = moe.gate.e_score_correction_bias
+    moe.gate = _RoutingBias(bias) if bias is not None else None
+
+
+def _experts_only(moe: native.DeepseekV2MoE, hidden_states, router_logits) -> torch.Tensor:
+    """DeepseekV2MoE.forward (sequence-parallel MoE is off in AFD) with received logits."""
+    logits = router_logits.to(moe.router_dtype or hidden_states.dtype)
+    return moe.experts(hidden_states=hidden_states, router_logits=logits)
 
 
 @support_torch_compile
@@ -222,8 +274,15 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModel, native.DeepseekV2ForCausalLM):
         self.num_moe_layers = config.num_hidden_layers - config.first_k_dense_replace
         self.set_moe_parameters()
 
-    def compute_ffn_output(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[layer_idx].compute_ffn_output(hidden_states)
+    supports_gate_on_attention = True
+
+    def router_width(self) -> int:
+        return self.config.n_routed_experts if self.afd.compute_gate_on_attention else 0
+
+    def compute_ffn_output(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None
+    ) -> torch.Tensor:
+        return self.model.layers[layer_idx].compute_ffn_output(hidden_states, router_logits)
 
 
 class AFDDeepseekForCausalLM(AFDDeepseekV2ForCausalLM):

@@ -3,5 +3,9 @@
 from afd_models.not_implemented import not_implemented_model
 
 AFDDeepseekV4ForCausalLM = not_implemented_model(
-    "AFDDeepseekV4ForCausalLM", "DeepSeek-V4 comes with the remaining model families"
+    "AFDDeepseekV4ForCausalLM",
+    (
+        "its hash-routed MoE layers route by token id, so the layer exchange has to carry "
+        "the token ids (not in this release)"
+    ),
 )

@@ -6,14 +6,20 @@ import torch.nn as nn
 
 
 def not_implemented_model(name: str, planned: str) -> type[nn.Module]:
-    """An nn.Module class that vLLM can inspect, but that refuses to be built."""
+    """An nn.Module class that vLLM can inspect, but that refuses to be built.
+
+    `afd_not_implemented` holds the reason: AFD's start-up check reads it and stops the
+    server before any resource exists."""
+    reason = (
+        f"{name} is registered but not implemented in afd-models "
+        f"{__import__('afd_models').__version__}: {planned}"
+    )
 
     def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{name} is registered but not implemented in afd-models "
-            f"{__import__('afd_models').__version__}: {planned}. Supported now: "
-            "AFDDeepseekForCausalLM, AFDDeepseekV2ForCausalLM, AFDDeepseekV3ForCausalLM, "
-            "AFDQwen3MoeForCausalLM."
-        )
+        raise NotImplementedError(reason)
 
-    return type(name, (nn.Module,), {"__init__": __init__, "__module__": __name__})
+    return type(
+        name,
+        (nn.Module,),
+        {"__init__": __init__, "__module__": __name__, "afd_not_implemented": reason},
+    )

@@ -5,6 +5,10 @@ layer's MLP/MoE with `RemoteFFN`; the FFN role keeps only the MLP/MoE modules an
 placeholders (vLLM's PPMissingLayer) everywhere else. Placeholders and proxies subclass
 PPMissingLayer, so vLLM's own weight loaders skip them, and since unbuilt modules own no
 parameters the loader's strict check still holds.
+
+Gate on attention (`compute_gate_on_attention`): a MoE layer's router projection stays on
+the attention side (`GatedRemoteFFN`, a plain module so its `mlp.gate.weight` loads) and its
+logits travel with the rows; the FFN side routes with them and runs the experts only.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from afd_core.runtime import active_connector
 from afd_models.weights import filter_weights, weight_wanted
 
 
-def attention_side(layer: torch.nn.Module, exchange_index: int, config) -> None:
-    """Attention role: the layer's norms, and its MLP/MoE computed remotely."""
+def attention_side(
+    layer: torch.nn.Module, exchange_index: int, config, mlp: torch.nn.Module | None = None
+) -> None:
+    """Attention role: the layer's norms, and its MLP/MoE computed remotely (`mlp`: the
+    proxy to use, default a RemoteFFN without router logits)."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    layer.mlp = RemoteFFN(exchange_index)
+    layer.mlp = mlp if mlp is not None else RemoteFFN(exchange_index)
     layer.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -33,25 +40,56 @@ def ffn_side(layer: torch.nn.Module) -> None:
     layer.post_attention_layernorm = PPMissingLayer()
 
 
+def _exchange(hidden_states: torch.Tensor, exchange_index: int, router_logits=None):
+    """Start the exchange of the calling micro-batch (the FFN output's receive is posted
+    before the rows are sent, so neither side ever waits on the other's order), yield to the
+    next micro-batch (DBO: its attention runs while the FFN ranks compute these rows), then
+    wait for the FFN output."""
+    exchange = active_connector().start_exchange(
+        hidden_states, exchange_index, current_microbatch_id(), router_logits
+    )
+    dbo_yield(hidden_states)
+    return exchange.wait()
+
+
 class RemoteFFN(PPMissingLayer):
     """Attention side: a decoder layer's MLP/MoE, computed by the FFN ranks.
 
-    Starts the exchange of the calling micro-batch (the FFN output's receive is posted
-    before the rows are sent, so neither side ever waits on the other's order), yields to
-    the next micro-batch (DBO: its attention runs while the FFN ranks compute these rows),
-    then waits for the FFN output.
+    `router_width` > 0 (gate on attention, a layer without a router: a dense MLP): the
+    protocol carries logits for every exchanged layer, so this one sends zeros, which the
+    FFN side's dense MLP never reads.
     """
 
-    def __init__(self, exchange_index: int):
+    def __init__(self, exchange_index: int, router_width: int = 0):
         super().__init__()
         self.exchange_index = exchange_index
+        self.router_width = router_width
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        exchange = active_connector().start_exchange(
-            hidden_states, self.exchange_index, current_microbatch_id()
-        )
-        dbo_yield(hidden_states)
-        return exchange.wait()
+        logits = None
+        if self.router_width:
+            logits = hidden_states.new_zeros(
+                hidden_states.shape[0], self.router_width, dtype=torch.float32
+            )
+        return _exchange(hidden_states, self.exchange_index, logits)
+
+    def extra_repr(self) -> str:
+        return f"exchange_index={self.exchange_index}, router_width={self.router_width}"
+
+
+class GatedRemoteFFN(torch.nn.Module):
+    """Attention side, gate on attention: a MoE layer's router projection runs here and its
+    logits (float32 on the wire) go to the FFN ranks with the rows. A plain module, not a
+    placeholder: vLLM's loader must fill `mlp.gate.weight`."""
+
+    def __init__(self, exchange_index: int, gate: torch.nn.Module):
+        super().__init__()
+        self.exchange_index = exchange_index
+        self.gate = gate
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        router_logits, _ = self.gate(hidden_states)
+        return _exchange(hidden_states, self.exchange_index, router_logits.float())
 
     def extra_repr(self) -> str:
         return f"exchange_index={self.exchange_index}"
@@ -64,13 +102,25 @@ class AFDRoleModel:
         """Layers whose MLP/MoE is exchanged each step, in protocol order."""
         return list(range(self.model.start_layer, self.model.end_layer))
 
-    def compute_ffn_output(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    # whether this wrapper can run the router on the attention side (checked at start-up)
+    supports_gate_on_attention = False
+
+    def router_width(self) -> int:
+        """Router logits per row on the wire: the routed experts when the gate runs on
+        attention, else 0."""
+        return 0
+
+    def compute_ffn_output(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None
+    ) -> torch.Tensor:
         """FFN role: one layer's MLP/MoE, inside a forward context set by the caller."""
         return self.model.layers[layer_idx].mlp(hidden_states)
 
     def is_unused_checkpoint_weight(self, name: str) -> bool:
         # vLLM skips checkpoint shards whose tensors all belong to the other role
-        return not weight_wanted(self.afd.role, name)
+        return not weight_wanted(self.afd.role, name, self.afd.compute_gate_on_attention)
 
     def load_weights(self, weights):
-        return super().load_weights(filter_weights(self.afd.role, weights))
+        return super().load_weights(
+            filter_weights(self.afd.role, weights, self.afd.compute_gate_on_attention)
+        )

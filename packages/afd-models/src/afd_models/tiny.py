@@ -21,12 +21,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FACTORY_VERSION = 2
-ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_moe")
+ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_moe")
 ARCH_CLASS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# V3's MoE with the V3.2 sparse-attention indexer (GLM-MoE-DSA is built from the same code)
+SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa")
 CORPUS = [
     "Attention and the feed-forward network run on separate ranks.",
     "The quick brown fox jumps over the lazy dog.",
@@ -116,7 +120,7 @@ def _hf_config(spec: TinySpec):
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    if spec.arch in ("deepseek_v2", "deepseek_v3"):
+    if spec.arch in ("deepseek_v2", "deepseek_v3", *SPARSE_MLA):
         mla = dict(
             num_key_value_heads=4,
             moe_intermediate_size=spec.moe_intermediate_size,
@@ -135,15 +139,25 @@ def _hf_config(spec: TinySpec):
             return transformers.DeepseekV2Config(
                 **common, **mla, q_lora_rank=None, topk_method="greedy"
             )
-        return transformers.DeepseekV3Config(
-            **common,
-            **mla,
+        v3 = dict(
             q_lora_rank=32,
             topk_method="noaux_tc",
             scoring_func="sigmoid",
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
         )
+        if spec.arch == "deepseek_v3":
+            return transformers.DeepseekV3Config(**common, **mla, **v3)
+        # the indexer: vLLM switches V3.2 on by index_topk; 512 is what its kernels take.
+        # topk_method and scoring_func are not in these configs' signatures: kept as extra
+        # attributes, which vLLM reads (noaux_tc builds the routing bias)
+        indexer = dict(index_topk=512, index_head_dim=128, index_n_heads=4)
+        cls = (
+            transformers.DeepseekV32Config
+            if spec.arch == "deepseek_v32"
+            else transformers.GlmMoeDsaConfig
+        )
+        return cls(**common, **mla, **v3, **indexer)
     return transformers.Qwen3MoeConfig(
         **common,
         num_key_value_heads=2,
@@ -190,7 +204,7 @@ def build(spec: TinySpec, out_dir: Path) -> Path:
         model = model_cls(config).to(torch.float32)
         with torch.no_grad():
             model.lm_head.weight.mul_(spec.logit_scale)
-        if spec.arch == "deepseek_v3":  # a non-zero bias exercises noaux_tc routing
+        if spec.arch in ("deepseek_v3", *SPARSE_MLA):  # a non-zero bias: noaux_tc routing
             for layer in model.model.layers:
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None and hasattr(gate, "e_score_correction_bias"):

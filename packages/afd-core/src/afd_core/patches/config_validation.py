@@ -19,7 +19,9 @@ socket exists. For a config with an `afd` key it:
   process receives, and vLLM's flags are turned off, because AFD's step engine does the
   splitting; a flag that cannot apply (DBO on an FFN server, m out of 1..4, thresholds
   below m, a conflicting m) stops start-up;
-* rejects what AFD cannot run yet: speculative decoding, attention tensor parallelism.
+* rejects what AFD cannot run yet: speculative decoding, attention tensor parallelism, a
+  model architecture without an AFD wrapper (listing those registered), the gate on
+  attention for a wrapper that cannot run it.
 
 Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 """
@@ -139,16 +141,58 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
         )
 
 
+def afd_architectures() -> list[str]:
+    """The architectures with an AFD wrapper registered in vLLM's registry (register_afd)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    return sorted(a[3:] for a in ModelRegistry.get_supported_archs() if a.startswith("AFD"))
+
+
+def _wrapper(arch: str):
+    from vllm.model_executor.models import ModelRegistry
+
+    return ModelRegistry.models["AFD" + arch].load_model_cls()
+
+
+def runnable_architectures() -> str:
+    """What an error says AFD can run: the registered wrappers that are implemented."""
+    names = afd_architectures()
+    pending = [a for a in names if getattr(_wrapper(a), "afd_not_implemented", None)]
+    runs = ", ".join(a for a in names if a not in pending)
+    return runs + (f" (registered, not implemented yet: {', '.join(pending)})" if pending else "")
+
+
+def validate_model(afd, vllm_config) -> None:
+    """The checkpoint's architecture has an AFD wrapper that can run this config."""
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    arch = archs[0] if archs else None
+    if arch not in afd_architectures():
+        raise AFDDeploymentError(
+            f"AFD: the model's architecture {arch!r} has no AFD wrapper; AFD runs: "
+            + runnable_architectures()
+        )
+    wrapper = _wrapper(arch)
+    if reason := getattr(wrapper, "afd_not_implemented", None):
+        raise AFDDeploymentError(f"AFD: {reason}; AFD runs: {runnable_architectures()}")
+    if afd.compute_gate_on_attention and not getattr(wrapper, "supports_gate_on_attention", False):
+        raise AFDDeploymentError(
+            f"afd config: compute_gate_on_attention=True is not supported for {arch} "
+            f"({wrapper.__name__} runs the router on the FFN side); allowed: false. The "
+            "DeepSeek family (DeepseekForCausalLM, DeepseekV2/V3/V32ForCausalLM, "
+            "GlmMoeDsaForCausalLM) runs it on attention"
+        )
+
+
 def _check_and_update_config(original, cls, vllm_config) -> None:
-    from afd_core.config import check_supported, parse_optional_afd_config
+    from afd_core.config import parse_optional_afd_config
     from afd_core.registration import assert_steps_ok_for
     from afd_core.workers.selection import resolve_worker_cls
 
     afd = parse_optional_afd_config(vllm_config.additional_config, device_type=cls.device_type)
     if afd is not None:
         assert_steps_ok_for(afd)
-        check_supported(afd)
         validate_deployment(afd, vllm_config, cls.device_type)
+        validate_model(afd, vllm_config)
         pc = vllm_config.parallel_config
         m = resolve_microbatches(afd, pc)
         pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, afd.role)

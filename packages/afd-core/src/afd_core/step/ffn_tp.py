@@ -4,8 +4,8 @@ An FFN server with `--tensor-parallel-size T` is one FFN rank whose MLP/MoE weig
 shards over its T workers; the layer's own reduction (the MoE's / row-parallel all-reduce
 in vLLM's TP group) leaves the full output on every worker. TP rank 0, the leader, runs the
 AFD protocol with the attention peers as an unsharded FFN rank does; before it computes a
-layer/micro-batch it hands the rows to the followers (TP ranks 1..T-1), which compute the
-same layer with it, so every collective inside the layer has all T members. Nothing else
+layer/micro-batch it hands the rows (and, gate on attention, their router logits) to the
+followers (TP ranks 1..T-1), which compute the same layer with it, so every collective inside the layer has all T members. Nothing else
 crosses the group: zero-row micro-batches and failed steps compute nothing anywhere.
 
 Why the leader and not every TP rank receives from the attention peers: the attention side
@@ -31,7 +31,7 @@ logger = get_logger(__name__)
 
 CMD_STOP, CMD_COMPUTE = 0, 1
 HEADER_LEN = 3  # command, layer, rows
-ROWS_TAG = 0
+ROWS_TAG, LOGITS_TAG = 0, 1
 STOP_DELIVERY_S = 1.0
 
 
@@ -48,7 +48,9 @@ class TensorParallelLeader:
         self.ffn_rank = ffn_rank
         self.shared = 0  # layer/micro-batches handed to the group
 
-    def _to_followers(self, header: list[int], rows=None, timeout_s: float | None = None):
+    def _to_followers(
+        self, header: list[int], rows=None, logits=None, timeout_s: float | None = None
+    ):
         import torch
 
         head = torch.tensor(header, dtype=torch.int64)
@@ -58,6 +60,8 @@ class TensorParallelLeader:
                 handles.append(self.transport.isend_control(head, follower))
                 if rows is not None:
                     handles.append(self.transport.isend(rows, follower, ROWS_TAG))
+                if logits is not None:
+                    handles.append(self.transport.isend(logits, follower, LOGITS_TAG))
             for h in handles:  # the rows' buffer is reused by the next receive
                 h.wait(timeout_s)
         except TransportError as exc:
@@ -65,9 +69,10 @@ class TensorParallelLeader:
                 f"FFN rank {self.ffn_rank}: its tensor-parallel group lost a member: {exc}"
             ) from None
 
-    def share(self, layer: int, rows) -> None:
+    def share(self, layer: int, rows, router_logits=None) -> None:
         """Before computing `layer` on `rows`: the followers compute it with this rank."""
-        self._to_followers([CMD_COMPUTE, layer, rows.shape[0]], rows.contiguous())
+        logits = router_logits.contiguous() if router_logits is not None else None
+        self._to_followers([CMD_COMPUTE, layer, rows.shape[0]], rows.contiguous(), logits)
         self.shared += 1
 
     def stop(self) -> None:
@@ -85,21 +90,33 @@ class TensorParallelLeader:
 class TensorParallelFollower:
     """TP rank 1..T-1 of an FFN rank: computes what the leader computes, returns nothing."""
 
-    def __init__(self, transport: Transport, ffn_rank: int, tp_rank: int, hidden: int, dtype):
+    def __init__(
+        self,
+        transport: Transport,
+        ffn_rank: int,
+        tp_rank: int,
+        hidden: int,
+        dtype,
+        router_width: int = 0,
+    ):
         self.transport = transport
         self.ffn_rank = ffn_rank
         self.tp_rank = tp_rank
         self.hidden = hidden
         self.dtype = dtype
+        self.router_width = router_width  # > 0: the gate runs on attention, logits follow
         self.computed = 0  # layer/micro-batches computed
 
-    def serve(self, compute: Callable[[int, object], object], stop: threading.Event) -> None:
+    def serve(
+        self, compute: Callable[[int, object, object], object], stop: threading.Event
+    ) -> None:
         """Until the leader says stop (or `stop` is set); compute errors propagate (the
         group cannot stay in step after one, so the server stops)."""
         import torch
 
         head = torch.zeros(HEADER_LEN, dtype=torch.int64)
         buf = torch.empty(0, self.hidden, dtype=self.dtype)
+        logits_buf = torch.empty(0, self.router_width, dtype=torch.float32)
         while not stop.is_set():
             try:
                 self.transport.recv_control(head, 0)
@@ -107,9 +124,15 @@ class TensorParallelFollower:
                 if cmd == CMD_STOP:
                     return
                 if buf.shape[0] < n:
-                    buf = torch.empty(max(n, 2 * buf.shape[0]), self.hidden, dtype=self.dtype)
+                    size = max(n, 2 * buf.shape[0])
+                    buf = torch.empty(size, self.hidden, dtype=self.dtype)
+                    logits_buf = torch.empty(size, self.router_width, dtype=torch.float32)
                 rows = buf[:n]
                 self.transport.recv(rows, 0, ROWS_TAG)
+                logits = None
+                if self.router_width:
+                    logits = logits_buf[:n]
+                    self.transport.recv(logits, 0, LOGITS_TAG)
             except TransportError as exc:
                 if stop.is_set():
                     return
@@ -117,7 +140,7 @@ class TensorParallelFollower:
                     f"FFN rank {self.ffn_rank} TP rank {self.tp_rank}: lost TP rank 0: {exc}"
                 ) from None
             with torch.inference_mode():
-                compute(layer, rows)
+                compute(layer, rows, logits)
             self.computed += 1
 
     def close(self) -> None:

@@ -62,12 +62,16 @@ def afd_architecture(model_config) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if "not supported" in str(exc) or "failed to be inspected" in str(exc):
+        # only vLLM's registry refusing the name: an error inside the model (a kernel this
+        # platform lacks) is the model's own and passes unchanged
+        if "are not supported for now" in str(exc) or "failed to be inspected" in str(exc):
             rec = records().get(STEP_MODELS)
+            from afd_core.patches.config_validation import runnable_architectures
+
             raise RuntimeError(
-                f"AFD: no AFD wrapper for architecture {original[0]!r} ({exc}); AFD supports "
-                "DeepseekForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-                "Qwen3MoeForCausalLM" + (f"; model registration: {rec.status.value}" if rec else "")
+                f"AFD: no AFD wrapper for architecture {original[0]!r} ({exc}); AFD runs: "
+                + (runnable_architectures() or "nothing (register_afd did not run)")
+                + (f"; model registration: {rec.status.value}" if rec else "")
             ) from exc
         raise
     finally:
@@ -81,6 +85,7 @@ def make_wire_spec(vllm_config, model) -> WireSpec:
         dtype=torch_dtype_name(mc.dtype),
         num_exchange_layers=len(model.ffn_layer_indices()),
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        router_width=model.router_width(),
     )
 
 
@@ -192,6 +197,7 @@ class FFNRole(_Role):
             self.tp_rank,
             wire.hidden_size,
             getattr(torch, wire.dtype),
+            wire.router_width,
         )
 
     def _compute(self, layer: int, hidden_states, router_logits):
@@ -200,10 +206,10 @@ class FFNRole(_Role):
             self._fail_next = None
             raise RuntimeError(f"injected FFN step failure ({reason})")
         if self.tp_leader is None:
-            return self.model.compute_ffn_output(layer, hidden_states)
-        self.tp_leader.share(layer, hidden_states)
+            return self.model.compute_ffn_output(layer, hidden_states, router_logits)
+        self.tp_leader.share(layer, hidden_states, router_logits)
         try:
-            return self.model.compute_ffn_output(layer, hidden_states)
+            return self.model.compute_ffn_output(layer, hidden_states, router_logits)
         except Exception as exc:
             # the followers may be inside the layer's collectives: no later step could
             # line up with them
@@ -213,9 +219,9 @@ class FFNRole(_Role):
                 "cannot stay in step, the FFN server stops"
             ) from exc
 
-    def _follow(self, layer: int, hidden_states) -> None:
+    def _follow(self, layer: int, hidden_states, router_logits) -> None:
         with self.forward_context():
-            self.model.compute_ffn_output(layer, hidden_states)
+            self.model.compute_ffn_output(layer, hidden_states, router_logits)
 
     def inject_failure(self, layer: int, reason: str) -> None:
         """Make the next step's compute fail at `layer` (drills and tests; TP rank 0
