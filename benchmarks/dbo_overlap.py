@@ -68,7 +68,7 @@ def ffn_main(port, layers, reps_per_row, q):
         conn = _make("ffn", port, layers)
         conn.init()
         server = FFNStepServer(
-            conn, list(range(layers)), lambda layer, h, _: _work(h, w1, w2, reps_per_row)
+            conn, list(range(layers)), lambda layer, h, *_: _work(h, w1, w2, reps_per_row)
         )
         while server.serve_step():
             pass

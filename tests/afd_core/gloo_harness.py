@@ -30,6 +30,7 @@ def make(
     hidden=HIDDEN,
     dtype="float32",
     router_width=0,
+    token_ids=False,
     layers=LAYERS,
     connect_timeout=30.0,
     start_rank=0,
@@ -49,7 +50,7 @@ def make(
         },
         device_type="cpu",
     )
-    wire = WireSpec(hidden, dtype, layers, max_tokens=64, router_width=router_width)
+    wire = WireSpec(hidden, dtype, layers, 64, router_width=router_width, token_ids=token_ids)
     return build_connector(cfg, rank, wire)
 
 

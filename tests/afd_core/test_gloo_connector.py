@@ -35,7 +35,7 @@ def ffn_main(rank, a, f, port, q):
             return plan
 
         conn.recv_control = recording_recv_control
-        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, _: h * 2 + layer)
+        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, *_: h * 2 + layer)
         while server.serve_step():
             pass
         conn.close()
@@ -214,13 +214,14 @@ def test_unconnected_connector_refuses_to_send():
 
 def gate_ffn(port, q):
     try:
-        conn = make("ffn", 0, 1, 1, port, router_width=4)
+        conn = make("ffn", 0, 1, 1, port, router_width=4, token_ids=True)
         conn.init()
         conn.recv_control()
         for layer in range(LAYERS):
             b = conn.recv_attn_output(layer)
             assert b.router_logits is not None and b.router_logits.shape == (3, 4)
-            out = b.hidden_states + b.router_logits.sum(dim=1, keepdim=True)
+            assert b.token_ids.tolist() == [5, 6, 7 + layer]
+            out = b.hidden_states + b.router_logits.sum(dim=1, keepdim=True) + b.token_ids[:, None]
             conn.send_ffn_output(out, layer)
         conn.finish_step()
         conn.recv_control()  # the goodbye
@@ -234,15 +235,16 @@ def gate_attn(port, q):
     import torch
 
     try:
-        conn = make("attention", 0, 1, 1, port, router_width=4)
+        conn = make("attention", 0, 1, 1, port, router_width=4, token_ids=True)
         conn.init()
         conn.begin_step((3,))
         h = torch.ones(3, HIDDEN)
         logits = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-        out = conn.exchange(h, 0, router_logits=logits)
-        assert torch.equal(out[:, 0], torch.tensor([7.0, 23.0, 39.0]))  # 1 + row sums
+        ids = torch.tensor([5, 6, 7], dtype=torch.int32)  # any integer dtype: int64 on the wire
+        out = conn.start_exchange(h, 0, 0, logits, token_ids=ids).wait()
+        assert torch.equal(out[:, 0], torch.tensor([12.0, 29.0, 46.0]))  # 1 + row sum + id
         for layer in range(1, LAYERS):
-            conn.exchange(h, layer, router_logits=logits)
+            conn.start_exchange(h, layer, 0, logits, token_ids=ids + layer * (ids == 7)).wait()
         conn.end_step()
         conn.close()
         q.put(("attention", "ok"))
@@ -250,6 +252,6 @@ def gate_attn(port, q):
         q.put(("attention", "ERROR " + traceback.format_exc()))
 
 
-def test_router_logits_travel_with_the_rows_when_the_gate_runs_on_attention():
+def test_router_logits_and_token_ids_travel_with_the_rows():
     out = run_sides(gate_ffn, gate_attn)
     assert out == {"ffn": "ok", "attention": "ok"}, out

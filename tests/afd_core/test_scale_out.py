@@ -76,17 +76,20 @@ def test_ranks_that_disagree_on_the_deployment_fail_every_rank_naming_the_field(
         assert "4" in text and "2" in text, text
 
 
-def job(conn, rank, step, mb, n, router_width=0):
+def job(conn, rank, step, mb, n, router_width=0, token_ids=False):
     """One micro-batch of attention rank `rank`: every layer exchanged, DBO yield between
-    (with `router_width` > 0, router logits derived from the rows travel with them)."""
+    (router logits derived from the rows and token ids travel with them when asked)."""
 
     def run():
+        import torch
+
         from afd_core.step.microbatch import yield_to_next_microbatch
 
         h = initial(rank, step, mb, n)
         for layer in range(LAYERS):
             logits = (h[:, :router_width] * 0.5 + layer) if router_width else None
-            ex = conn.start_exchange(h + 1, layer, mb, logits)
+            ids = torch.arange(n) * 10 + layer if token_ids else None
+            ex = conn.start_exchange(h + 1, layer, mb, logits, token_ids=ids)
             yield_to_next_microbatch()
             h = ex.wait()
         return h
@@ -97,7 +100,7 @@ def job(conn, rank, step, mb, n, router_width=0):
 # -- an FFN rank over tensor parallel ------------------------------------------------------
 
 LAYERS = 3
-ROUTER = 4  # the TP group's rows come with router logits (gate on attention)
+ROUTER = 4  # the TP group's rows come with router logits (gate on attention) and token ids
 STEPS = [(2, 3), (0, 4), (1, 1, 1, 1), (5,)]  # rows per micro-batch; zero rows in step 1
 FAIL_AT = {(2, 1)}  # (step, layer): TP rank 0's compute raises before it shares the layer
 
@@ -107,7 +110,7 @@ def tp_leader_main(port, q):
         from afd_core.step.ffn import FFNStepServer
         from afd_core.step.ffn_tp import TensorParallelLeader, tp_group_name
 
-        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER, token_ids=True)
         conn.init()
         side = conn.make_side_transport(tp_group_name(0), 0, 2, connect_scale=2.0)
         side.connect()
@@ -115,11 +118,11 @@ def tp_leader_main(port, q):
         computed = []
         state = {"step": 0}
 
-        def compute(layer, h, logits):
+        def compute(layer, h, logits, ids):
             if (state["step"], layer) in FAIL_AT:
                 raise RuntimeError(f"injected failure at layer {layer}")
-            leader.share(layer, h, logits)
-            computed.append((layer, h.shape[0], float(h.sum()), float(logits.sum())))
+            leader.share(layer, h, logits, ids)
+            computed.append((layer, h.shape[0], float(h.sum()), float(logits.sum()), ids.tolist()))
             return h * 2 + layer
 
         server = FFNStepServer(conn, list(range(LAYERS)), compute)
@@ -147,14 +150,14 @@ def tp_follower_main(port, q):
         from tests.afd_core.gloo_harness import HIDDEN
 
         # never initialized: not a rank
-        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
+        conn = make("ffn", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER, token_ids=True)
         side = conn.make_side_transport(tp_group_name(0), 1, 2, connect_scale=2.0)
         side.connect()
-        follower = TensorParallelFollower(side, 0, 1, HIDDEN, torch.float32, ROUTER)
+        follower = TensorParallelFollower(side, 0, 1, HIDDEN, torch.float32, ROUTER, True)
         computed = []
         follower.serve(
-            lambda layer, h, g: computed.append(
-                (layer, h.shape[0], float(h.sum()), float(g.sum()))
+            lambda layer, h, g, ids: computed.append(
+                (layer, h.shape[0], float(h.sum()), float(g.sum()), ids.tolist())
             ),
             threading.Event(),
         )
@@ -170,13 +173,13 @@ def tp_attention_main(port, q):
         from afd_core.connectors.base import AFDStepError
         from afd_core.step.attention import AttentionStepDriver
 
-        conn = make("attention", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER)
+        conn = make("attention", 0, 1, 1, port, layers=LAYERS, router_width=ROUTER, token_ids=True)
         conn.init()
         driver = AttentionStepDriver(conn)
         outcome = []
 
         for step, rows in enumerate(STEPS):
-            jobs = [job(conn, 0, step, mb, n, ROUTER) for mb, n in enumerate(rows)]
+            jobs = [job(conn, 0, step, mb, n, ROUTER, True) for mb, n in enumerate(rows)]
             try:
                 out = driver.run(rows, jobs)
             except AFDStepError as exc:
@@ -203,8 +206,10 @@ def test_an_ffn_rank_over_tensor_parallel_computes_every_layer_on_every_tp_rank(
     assert out[2].startswith("step failed") and "layer 1" in out[2], out
     leader = results["leader"]
     assert leader["failed"] == 1
-    # the follower computed exactly what TP rank 0 computed (rows and router logits), in the
-    # same order: no zero-row micro-batch, nothing of the failed step after the failure
+    # the follower computed exactly what TP rank 0 computed (rows, router logits and token
+    # ids), in the same order: no zero-row micro-batch, nothing of the failed step after the
+    # failure; the token ids arrived as sent (row r at layer l: 10 r + l; step 0 is 2 + 3 rows)
+    assert [c[4] for c in leader["computed"][:3]] == [[0, 10], [0, 10, 20], [1, 11]]
     assert results["follower"] == leader["computed"]
     n_rows = sum(1 for rows in STEPS for n in rows if n) * LAYERS
     assert len(leader["computed"]) == n_rows - 4 * (LAYERS - 1)  # step 2: only layer 0 ran
@@ -255,7 +260,7 @@ def plain_ffn_main(port, q):
             return plan
 
         conn.recv_control = recording
-        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, _: h * 2 + layer)
+        server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, *_: h * 2 + layer)
         server.serve(threading.Event())
         conn.close()
         q.put(("ffn", plans))

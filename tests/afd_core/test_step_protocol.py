@@ -40,7 +40,7 @@ def ffn_compute(fail_at):
     """FFN 'MLP': h * 2 + layer; raises once at (step, layer) in fail_at."""
     state = {"step": 0}
 
-    def compute(layer, h, _logits):
+    def compute(layer, h, _logits, _ids):
         if (state["step"], layer) in fail_at:
             raise RuntimeError(f"injected FFN failure at layer {layer}")
         return h * 2 + layer

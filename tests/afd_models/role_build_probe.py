@@ -3,9 +3,13 @@
 python role_build_probe.py JOBS_JSON
 
 JOBS_JSON: a list of {"key", "checkpoint", "role", "backend" (or null), "afd" (more `afd`
-settings, e.g. {"compute_gate_on_attention": true}), "dense_for_sparse"}. One JSON line per
-job on stdout: {"key", ...what the model holds}. Several models per process: importing vLLM
-costs far more than building a tiny model.
+settings, e.g. {"compute_gate_on_attention": true}), "dtype", "dense_for_sparse"}. One JSON
+line per job on stdout: {"key", ...what the model holds}. Several models per process:
+importing vLLM costs far more than building a tiny model.
+
+A job with "role": "ffn-vs-native" builds the FFN role and vLLM's own model of the same
+checkpoint and reports, per layer, how far the FFN role's output (rows and token ids as the
+exchange delivers them) is from the native layer's FFN on the same input.
 
 dense_for_sparse: vLLM's CPU platform refuses sparse attention (DeepSeek-V3.2's indexer)
 when the model is built; this stand-in selects the dense CPU MLA backend for it, so the
@@ -20,6 +24,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8}
+
+
 def checkpoint_bytes(ckpt: str) -> dict[str, int]:
     from safetensors import safe_open
 
@@ -27,22 +34,50 @@ def checkpoint_bytes(ckpt: str) -> dict[str, int]:
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         for k in f.keys():  # noqa: SIM118 - safe_open has no iteration protocol
             n = 1
-            for d in f.get_slice(k).get_shape():
+            tensor = f.get_slice(k)
+            for d in tensor.get_shape():
                 n *= d
-            out[k] = n * 4
+            out[k] = n * DTYPE_BYTES[tensor.get_dtype()]
     return out
+
+
+def ffn_vs_native(job, build) -> dict:
+    """Per layer: max |FFN role - native| on the same rows and token ids (0.0: identical)."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    afd, afd_config = build(job, "ffn")
+    native, native_config = build(job, "native")
+    g = torch.Generator().manual_seed(0)
+    config = native_config.model_config.hf_config
+    out = {}
+    for i in afd.ffn_layer_indices():
+        dtype = native_config.model_config.dtype
+        rows = (torch.randn(5, config.hidden_size, generator=g) * 0.5).to(dtype)
+        ids = torch.randint(0, config.vocab_size, (5,), generator=g)
+        with torch.inference_mode():
+            with set_forward_context(None, afd_config):
+                mine = afd.compute_ffn_output(i, rows.clone(), None, ids)
+            with set_forward_context(None, native_config):
+                theirs = native.model.layers[i].ffn(rows.clone(), ids)
+        out[str(i)] = float((mine.float() - theirs.float()).abs().max())
+    out["hash_layers"] = config.num_hash_layers
+    out["native_cls"] = type(native).__name__
+    return {"max_abs_diff": out}
 
 
 def main():
     jobs = json.loads(sys.argv[1])
     import socket
 
+    import vllm.v1.worker.cpu.shm  # noqa: F401 - as vLLM's CPU worker: CPU stand-ins for CUDA
     from vllm.config import AttentionConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
     from vllm.platforms.cpu import CpuPlatform
 
     import afd_models.deepseek_v2 as ds
+    import afd_models.deepseek_v4 as v4
     import afd_models.qwen3_moe as qw
     import afd_models.role as role_mod
     import afd_models.weights as weights_mod
@@ -63,7 +98,11 @@ def main():
             yield name, t
 
     role_mod.filter_weights = recording
-    for cls in (ds.AFDDeepseekV2ForCausalLM, qw.AFDQwen3MoeForCausalLM):
+    for cls in (
+        ds.AFDDeepseekV2ForCausalLM,
+        qw.AFDQwen3MoeForCausalLM,
+        v4.AFDDeepseekV4ForCausalLM,
+    ):
 
         def wrap(orig):
             def load_weights(self, weights):
@@ -90,22 +129,35 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     distributed = False
-    for job in jobs:
+
+    def build(job, role):
+        nonlocal distributed
         state.update(seen=[], at_load={}, dense_for_sparse=job.get("dense_for_sparse", False))
         mc = ModelConfig(
-            model=job["checkpoint"], dtype="float32", enforce_eager=True, max_model_len=256
+            model=job["checkpoint"],
+            dtype=job.get("dtype", "float32"),
+            enforce_eager=True,
+            max_model_len=256,
         )
         backend = job.get("backend")
         kw = {"attention_config": AttentionConfig(backend=backend)} if backend else {}
-        afd = {"role": job["role"], **job.get("afd", {})}
-        vc = VllmConfig(model_config=mc, additional_config={"afd": afd}, **kw)
+        extra = {"additional_config": {"afd": {"role": role, **job.get("afd", {})}}}
+        vc = VllmConfig(model_config=mc, **(extra if role != "native" else {}), **kw)
         with set_current_vllm_config(vc):
             if not distributed:
                 init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
                 initialize_model_parallel(1, 1)
                 distributed = True
+            if role == "native":
+                return get_model(vllm_config=vc), vc
             with afd_architecture(mc):
-                model = get_model(vllm_config=vc)
+                return get_model(vllm_config=vc), vc
+
+    for job in jobs:
+        if job["role"] == "ffn-vs-native":
+            print(json.dumps({"key": job["key"], **ffn_vs_native(job, build)}), flush=True)
+            continue
+        model, _ = build(job, job["role"])
         params = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
         print(
             json.dumps(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ BACKENDS = {
 }
 SPARSE = ("deepseek_v32", "glm_moe_dsa")  # CPU refuses their sparse attention: a stand-in
 GATED = "deepseek_v3 gate on attention"
+V4 = "deepseek_v4"  # bf16: what vLLM's CPU kernels for V4 take
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,10 @@ def built(checkpoints):
                 "afd": {"compute_gate_on_attention": True},
             }
         )
+
+    v4 = str(checkpoints(V4))
+    for role in ("attention", "ffn", "ffn-vs-native"):
+        jobs.append({"key": [V4, role], "checkpoint": v4, "role": role, "dtype": "bfloat16"})
 
     def probe(some):
         cmd = [sys.executable, str(PROBE), json.dumps(some)]
@@ -143,3 +149,37 @@ def test_vllm_cpu_refuses_sparse_attention():
     sparse = AttentionSelectorConfig(576, torch.float32, None, None, use_mla=True, use_sparse=True)
     with pytest.raises(NotImplementedError, match="Sparse Attention is not supported on CPU"):
         CpuPlatform.get_attn_backend_cls(None, sparse)
+
+
+@pytest.fixture(scope="module")
+def built_v4(built):
+    return lambda role: built[(V4, role)]
+
+
+def is_v4_ffn(name: str) -> bool:
+    return re.search(r"(^|\.)layers\.\d+\.ffn\.", name) is not None
+
+
+def test_deepseek_v4_attention_role_keeps_the_streams_and_sends_the_ffn(built_v4):
+    att = built_v4("attention")
+    assert not [n for n in att["params"] if is_v4_ffn(n)]
+    # the stream mixing and the norm around the FFN stay here, with attention and the head
+    for name in ("model.layers.0.hc_ffn_fn", "model.layers.0.ffn_norm.weight", "lm_head.weight"):
+        assert name in att["params"], name
+    assert {"DeepseekV4CPUAttention", "DeepseekV4CPUIndexer", "RemoteFFN"} <= set(att["modules"])
+    assert "MoERunner" not in att["modules"]
+    assert sorted(att["seen"]) == sorted(k for k in att["ckpt"] if not is_v4_ffn(k))
+
+
+def test_deepseek_v4_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(built_v4):
+    ffn = built_v4("ffn")
+    assert ffn["params"] and all(is_v4_ffn(n) for n in ffn["params"])
+    assert any(n.endswith("ffn.gate.tid2eid") for n in ffn["params"])  # the hash layer
+    assert sorted(ffn["seen"]) == sorted(k for k in ffn["ckpt"] if is_v4_ffn(k))
+    assert sum(ffn["at_load"].values()) == sum(v for k, v in ffn["ckpt"].items() if is_v4_ffn(k))
+    assert not {"DeepseekV4CPUAttention", "VocabParallelEmbedding"} & set(ffn["modules"])
+    # the FFN role on rows and token ids as the exchange delivers them == vLLM's V4 layer's
+    # FFN on the same input, bit for bit, the hash-routed layer 0 included
+    diff = built_v4("ffn-vs-native")["max_abs_diff"]
+    assert diff.pop("hash_layers") == 1 and diff.pop("native_cls") == "DeepseekV4ForCausalLM"
+    assert diff == {"0": 0.0, "1": 0.0, "2": 0.0}, diff

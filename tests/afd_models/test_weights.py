@@ -66,3 +66,11 @@ def test_gate_on_attention_moves_only_the_router_projection():
     for name in ATTENTION:
         assert weight_wanted("attention", name, gate_on_attention=True), name
     assert [n for n, _ in filter_weights("attention", ((n, 0) for n in FFN), True)] == [moved]
+
+
+def test_deepseek_v4_names_its_ffn_ffn():
+    """V4's checkpoint says `ffn`; its norm and stream mixing around the FFN are attention's."""
+    for name in ("layers.0.ffn.gate.tid2eid", "layers.1.ffn.experts.3.w2.weight"):
+        assert weight_wanted("ffn", name) and not weight_wanted("attention", name)
+    for name in ("layers.0.ffn_norm.weight", "layers.0.hc_ffn_fn", "layers.2.attn.wq_a.weight"):
+        assert weight_wanted("attention", name) and not weight_wanted("ffn", name)

@@ -32,8 +32,8 @@ BAD_STARTS = {
         [],
         "'Qwen2MoeForCausalLM' has no AFD wrapper; AFD runs: DeepseekForCausalLM, "
         "DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, "
-        "GlmMoeDsaForCausalLM, Qwen3MoeForCausalLM (registered, not implemented yet: "
-        "DeepseekV4ForCausalLM, Qwen3_5MoeForConditionalGeneration)",
+        "DeepseekV4ForCausalLM, GlmMoeDsaForCausalLM, Qwen3MoeForCausalLM (registered, not "
+        "implemented yet: Qwen3_5MoeForConditionalGeneration)",
     ),
 }
 

@@ -280,7 +280,7 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModel, native.DeepseekV2ForCausalLM):
         return self.config.n_routed_experts if self.afd.compute_gate_on_attention else 0
 
     def compute_ffn_output(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None, token_ids=None
     ) -> torch.Tensor:
         return self.model.layers[layer_idx].compute_ffn_output(hidden_states, router_logits)
 

@@ -40,13 +40,13 @@ def ffn_side(layer: torch.nn.Module) -> None:
     layer.post_attention_layernorm = PPMissingLayer()
 
 
-def _exchange(hidden_states: torch.Tensor, exchange_index: int, router_logits=None):
+def _exchange(hidden_states: torch.Tensor, exchange_index: int, router_logits=None, token_ids=None):
     """Start the exchange of the calling micro-batch (the FFN output's receive is posted
     before the rows are sent, so neither side ever waits on the other's order), yield to the
     next micro-batch (DBO: its attention runs while the FFN ranks compute these rows), then
     wait for the FFN output."""
     exchange = active_connector().start_exchange(
-        hidden_states, exchange_index, current_microbatch_id(), router_logits
+        hidden_states, exchange_index, current_microbatch_id(), router_logits, token_ids=token_ids
     )
     dbo_yield(hidden_states)
     return exchange.wait()
@@ -58,23 +58,32 @@ class RemoteFFN(PPMissingLayer):
     `router_width` > 0 (gate on attention, a layer without a router: a dense MLP): the
     protocol carries logits for every exchanged layer, so this one sends zeros, which the
     FFN side's dense MLP never reads.
+
+    `token_ids`: the model calls its FFN as `ffn(hidden_states, input_ids)` and routes by
+    token id (DeepSeek-V4's hash layers): the ids travel with the rows.
     """
 
-    def __init__(self, exchange_index: int, router_width: int = 0):
+    def __init__(self, exchange_index: int, router_width: int = 0, token_ids: bool = False):
         super().__init__()
         self.exchange_index = exchange_index
         self.router_width = router_width
+        self.token_ids = token_ids
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        logits = None
+        logits = ids = None
         if self.router_width:
             logits = hidden_states.new_zeros(
                 hidden_states.shape[0], self.router_width, dtype=torch.float32
             )
-        return _exchange(hidden_states, self.exchange_index, logits)
+        if self.token_ids:
+            ids = args[0] if args else kwargs.get("input_ids")
+        return _exchange(hidden_states, self.exchange_index, logits, ids)
 
     def extra_repr(self) -> str:
-        return f"exchange_index={self.exchange_index}, router_width={self.router_width}"
+        return (
+            f"exchange_index={self.exchange_index}, router_width={self.router_width}, "
+            f"token_ids={self.token_ids}"
+        )
 
 
 class GatedRemoteFFN(torch.nn.Module):
@@ -110,8 +119,12 @@ class AFDRoleModel:
         attention, else 0."""
         return 0
 
+    def routes_by_token_id(self) -> bool:
+        """Whether the FFN side needs each row's token id (hash-routed MoE layers)."""
+        return False
+
     def compute_ffn_output(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits=None, token_ids=None
     ) -> torch.Tensor:
         """FFN role: one layer's MLP/MoE, inside a forward context set by the caller."""
         return self.model.layers[layer_idx].mlp(hidden_states)

@@ -21,11 +21,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FACTORY_VERSION = 2
-ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_moe")
+ARCHITECTURES = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "deepseek_v4",
+    "glm_moe_dsa",
+    "qwen3_moe",
+)
 ARCH_CLASS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
@@ -191,12 +199,176 @@ def _save_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(path))
 
 
+# DeepSeek-V4: vLLM reads its own config class (model_type deepseek_v4, DeepSeek-native
+# field and tensor names), and its CPU kernels fix the sizes: bf16, 64 routed experts (its
+# routing kernels take 64/128/256/384), top 6, head dim 512 with rope 64. num_layers and
+# seed apply; layer i compresses its KV by V4_COMPRESS[i % 3] (0: sliding window only, 4:
+# compressor and indexer, 128: compressor), layer 0 routes by token id (hash table).
+V4_COMPRESS = (0, 4, 128)
+V4 = dict(
+    hidden_size=256,
+    experts=64,
+    top_k=6,
+    moe_intermediate_size=32,
+    heads=4,
+    head_dim=512,
+    rope_dim=64,
+    q_lora_rank=128,
+    o_lora_rank=128,
+    o_groups=2,
+    hc_mult=4,
+    index_heads=8,
+    index_head_dim=128,
+)
+
+
+def _v4_config(spec: TinySpec) -> dict:
+    v = V4
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": v["hidden_size"],
+        "moe_intermediate_size": v["moe_intermediate_size"],
+        "num_hidden_layers": spec.num_layers,
+        "num_hash_layers": 1,
+        "num_attention_heads": v["heads"],
+        "num_key_value_heads": 1,
+        "head_dim": v["head_dim"],
+        "qk_rope_head_dim": v["rope_dim"],
+        "q_lora_rank": v["q_lora_rank"],
+        "o_lora_rank": v["o_lora_rank"],
+        "o_groups": v["o_groups"],
+        "n_routed_experts": v["experts"],
+        "n_shared_experts": 1,
+        "num_experts_per_tok": v["top_k"],
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "swiglu_limit": 10.0,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "compress_ratios": [V4_COMPRESS[i % 3] for i in range(spec.num_layers)],
+        "sliding_window": 128,
+        "hc_eps": 1e-6,
+        "hc_mult": v["hc_mult"],
+        "hc_sinkhorn_iters": 20,
+        "index_head_dim": v["index_head_dim"],
+        "index_n_heads": v["index_heads"],
+        "index_topk": 512,
+        "num_nextn_predict_layers": 0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _v4_tensors(spec: TinySpec, cfg: dict) -> dict:
+    """Random tensors under the DeepSeek-native names vLLM's V4 loader maps."""
+    import torch
+
+    v, g = V4, torch.Generator().manual_seed(spec.seed)
+    h, hd, hc = v["hidden_size"], v["head_dim"], v["hc_mult"]
+    mix = (2 + hc) * hc
+
+    def rand(*shape, dtype=torch.bfloat16, std=spec.initializer_range):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    def ones(*shape, dtype=torch.bfloat16):
+        return torch.ones(*shape, dtype=dtype)
+
+    f32 = torch.float32
+    t = {
+        "embed.weight": rand(spec.vocab_size, h, std=1.0),
+        "norm.weight": ones(h),
+        "head.weight": rand(spec.vocab_size, h, std=spec.initializer_range * spec.logit_scale),
+        "hc_head_fn": rand(hc, hc * h, dtype=f32),
+        "hc_head_base": rand(hc, dtype=f32),
+        "hc_head_scale": ones(1, dtype=f32),
+    }
+
+    def compressor(prefix: str, ratio: int, dim: int) -> None:
+        width = (2 if ratio == 4 else 1) * dim
+        t[f"{prefix}.wkv.weight"] = rand(width, h)
+        t[f"{prefix}.wgate.weight"] = rand(width, h)
+        t[f"{prefix}.ape"] = rand(ratio, width, dtype=f32)
+        t[f"{prefix}.norm.weight"] = ones(dim)
+
+    for i in range(spec.num_layers):
+        p = f"layers.{i}"
+        for side in ("attn", "ffn"):
+            t[f"{p}.hc_{side}_fn"] = rand(mix, hc * h, dtype=f32)
+            t[f"{p}.hc_{side}_base"] = rand(mix, dtype=f32)
+            t[f"{p}.hc_{side}_scale"] = ones(3, dtype=f32)
+        t[f"{p}.attn_norm.weight"] = ones(h)
+        t[f"{p}.ffn_norm.weight"] = ones(h)
+        a = f"{p}.attn"
+        t[f"{a}.attn_sink"] = rand(v["heads"], dtype=f32)
+        t[f"{a}.wq_a.weight"] = rand(v["q_lora_rank"], h)
+        t[f"{a}.wkv.weight"] = rand(hd, h)
+        t[f"{a}.q_norm.weight"] = ones(v["q_lora_rank"])
+        t[f"{a}.kv_norm.weight"] = ones(hd)
+        t[f"{a}.wq_b.weight"] = rand(v["heads"] * hd, v["q_lora_rank"])
+        groups = v["o_groups"]
+        t[f"{a}.wo_a.weight"] = rand(groups * v["o_lora_rank"], v["heads"] * hd // groups)
+        t[f"{a}.wo_b.weight"] = rand(h, groups * v["o_lora_rank"])
+        ratio = cfg["compress_ratios"][i]
+        if ratio > 1:
+            compressor(f"{a}.compressor", ratio, hd)
+        if ratio == 4:
+            heads, dim = v["index_heads"], v["index_head_dim"]
+            t[f"{a}.indexer.wq_b.weight"] = rand(heads * dim, v["q_lora_rank"])
+            t[f"{a}.indexer.weights_proj.weight"] = rand(heads, h)
+            compressor(f"{a}.indexer.compressor", ratio, dim)
+        f, e, k, inter = f"{p}.ffn", v["experts"], v["top_k"], v["moe_intermediate_size"]
+        t[f"{f}.gate.weight"] = rand(e, h)
+        if i < cfg["num_hash_layers"]:
+            table = [torch.randperm(e, generator=g)[:k] for _ in range(spec.vocab_size)]
+            t[f"{f}.gate.tid2eid"] = torch.stack(table).to(torch.int32)
+        else:
+            t[f"{f}.gate.bias"] = rand(e, dtype=f32, std=0.01)
+        for x in range(e):
+            t[f"{f}.experts.{x}.w1.weight"] = rand(inter, h)
+            t[f"{f}.experts.{x}.w3.weight"] = rand(inter, h)
+            t[f"{f}.experts.{x}.w2.weight"] = rand(h, inter)
+        for w, shape in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+            t[f"{f}.shared_experts.{w}.weight"] = rand(*shape)
+    return t
+
+
+def _build_deepseek_v4(spec: TinySpec, out_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    cfg = _v4_config(spec)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(_v4_tensors(spec, cfg), str(out_dir / "model.safetensors"))
+
+
 def build(spec: TinySpec, out_dir: Path) -> Path:
     """Write the checkpoint into out_dir (created; must not exist or be empty)."""
     import torch
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if spec.arch == "deepseek_v4":  # no transformers class vLLM reads: written by hand
+        _build_deepseek_v4(spec, out_dir)
+        _save_tokenizer(out_dir, spec.vocab_size)
+        (out_dir / "afd_tiny.json").write_text(json.dumps(asdict(spec), indent=2))
+        return out_dir
     config = _hf_config(spec)
     model_cls = getattr(transformers, ARCH_CLASS[spec.arch])
     with torch.random.fork_rng():

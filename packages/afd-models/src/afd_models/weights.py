@@ -1,8 +1,9 @@
 """Which role loads which checkpoint tensor (pure Python: names only, no torch needed).
 
-Gate on the FFN side: a decoder layer's MLP/MoE tensors (`...layers.<i>.mlp.*`: dense MLP,
-router gate and its bias, routed and shared experts) belong to the FFN role; everything
-else (embeddings, attention, norms, final norm, LM head) to the attention role.
+Gate on the FFN side: a decoder layer's MLP/MoE tensors (`...layers.<i>.mlp.*`, DeepSeek-V4:
+`layers.<i>.ffn.*`: dense MLP, router gate and its bias or hash table, routed and shared
+experts) belong to the FFN role; everything else (embeddings, attention, norms, V4's
+`ffn_norm` and stream-mixing `hc_ffn_*`, final norm, LM head) to the attention role.
 
 Gate on attention: the router projection (`...layers.<i>.mlp.gate.weight`) moves to the
 attention role; its correction bias (`mlp.gate.e_score_correction_bias`) stays on the FFN
@@ -15,7 +16,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-_LAYER_MLP = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.")
+_LAYER_MLP = re.compile(r"(^|\.)layers\.(\d+)\.(mlp|ffn)\.")
 _ROUTER_PROJECTION = re.compile(r"(^|\.)layers\.(\d+)\.mlp\.gate\.weight$")
 
 

@@ -44,6 +44,9 @@ class WireSpec:
     num_exchange_layers: int  # layers whose FFN part runs remotely, per step
     max_tokens: int  # rows per micro-batch this rank sends at most (max_num_batched_tokens)
     router_width: int = 0  # experts, when the gate runs on attention; else 0
+    # each row's token id travels with it (models that route by token id: DeepSeek-V4's
+    # hash-routed MoE layers)
+    token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class FFNBatch:
     hidden_states: torch.Tensor
     router_logits: torch.Tensor | None
     rows_per_peer: tuple[int, ...]
+    token_ids: torch.Tensor | None = None  # int64, one per row, when the wire carries them
 
 
 class AFDConnector(ABC):
@@ -104,10 +108,12 @@ class AFDConnector(ABC):
         microbatch: int = 0,
         router_logits: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ):
         """Post the receive of the FFN output (into `out`, or a new tensor) and send the
-        rows; returns an exchange whose `wait()` returns the FFN output. The rows must not
-        be modified until then."""
+        rows (with their router logits / token ids when the wire carries them); returns an
+        exchange whose `wait()` returns the FFN output. The rows must not be modified until
+        then."""
 
     @abstractmethod
     def end_step(self) -> None:

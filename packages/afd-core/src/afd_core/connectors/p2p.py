@@ -56,7 +56,8 @@ from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
-KIND_HIDDEN, KIND_LOGITS = 0, 1
+KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS = 0, 1, 2
+NUM_KINDS = 3
 STATUS_TAG = 1 << 24  # above every data tag of any real model
 ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to take the reason
 STATUS_GRACE_S = 0.5  # how long a failed exchange waits for the FFN rank's reason
@@ -69,7 +70,7 @@ FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for 
 
 
 def data_tag(layer: int, microbatch: int, kind: int) -> int:
-    return ((layer * MAX_MICROBATCHES) + microbatch) * 2 + kind
+    return ((layer * MAX_MICROBATCHES) + microbatch) * NUM_KINDS + kind
 
 
 class Exchange:
@@ -270,6 +271,7 @@ class PointToPointConnector(AFDConnector):
             "dtype": self.wire.dtype,
             "num_exchange_layers": self.wire.num_exchange_layers,
             "router_width": self.wire.router_width,
+            "token_ids": self.wire.token_ids,
         }
 
     def _fail_deployment(self, transport: Transport, reason: str) -> AFDPeerError:
@@ -485,7 +487,13 @@ class PointToPointConnector(AFDConnector):
         return self._current
 
     def start_exchange(
-        self, hidden_states, layer: int, microbatch: int = 0, router_logits=None, out=None
+        self,
+        hidden_states,
+        layer: int,
+        microbatch: int = 0,
+        router_logits=None,
+        out=None,
+        token_ids=None,
     ) -> Exchange:
         import torch
 
@@ -514,6 +522,11 @@ class PointToPointConnector(AFDConnector):
                 f"{self._me()}: layer {layer} has no router logits, but the gate runs on "
                 "attention (compute_gate_on_attention)"
             )
+        if self.wire.token_ids and token_ids is None:
+            raise AFDPeerError(
+                f"{self._me()}: layer {layer} has no token ids, but the model routes by token "
+                "id (the wire carries them)"
+            )
         if len(step.rows) > 1:
             # other micro-batches compute while this send is in flight: it gets its own copy
             # of the rows, whatever memory the model reuses for them
@@ -535,6 +548,9 @@ class PointToPointConnector(AFDConnector):
                             data_tag(layer, microbatch, KIND_LOGITS),
                         )
                     )
+                if self.wire.token_ids:
+                    ids = token_ids.to(torch.int64).contiguous()
+                    handles.append(t.isend(ids, 0, data_tag(layer, microbatch, KIND_TOKENS)))
             except TransportError as exc:
                 raise self._exchange_error(step, layer, microbatch, exc) from None
         ex = Exchange(self, layer, microbatch, out, handles)
@@ -654,8 +670,9 @@ class PointToPointConnector(AFDConnector):
                 if self.wire.router_width
                 else None
             )
+            ids = torch.zeros(rows, dtype=torch.int64) if self.wire.token_ids else None
             for layer in range(step.next_layer[mb], self.wire.num_exchange_layers):
-                self.start_exchange(zeros, layer, mb, logits).wait()
+                self.start_exchange(zeros, layer, mb, logits, token_ids=ids).wait()
         self._finish(step)
         return stopped
 
@@ -761,6 +778,7 @@ class PointToPointConnector(AFDConnector):
             if self.wire.router_width
             else None
         )
+        ids = torch.empty(total, dtype=torch.int64) if self.wire.token_ids else None
         handles = []
         off = 0
         for i, n in enumerate(rows):
@@ -772,10 +790,14 @@ class PointToPointConnector(AFDConnector):
                 if logits is not None:
                     tag = data_tag(layer, microbatch, KIND_LOGITS)
                     handles.append((i, t.irecv(logits[off : off + n], i + 1, tag)))
+                if ids is not None:
+                    tag = data_tag(layer, microbatch, KIND_TOKENS)
+                    handles.append((i, t.irecv(ids[off : off + n], i + 1, tag)))
             except TransportError as exc:
                 raise self._batch_error(i, layer, microbatch, exc) from None
             off += n
-        return PendingBatch(self, layer, microbatch, FFNBatch(hidden, logits, rows), handles)
+        batch = FFNBatch(hidden, logits, rows, ids)
+        return PendingBatch(self, layer, microbatch, batch, handles)
 
     def _complete_batch(self, pending: PendingBatch) -> None:
         try:

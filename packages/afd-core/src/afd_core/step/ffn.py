@@ -24,7 +24,7 @@ from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
-# compute(layer, hidden_states, router_logits) -> output rows
+# compute(layer, hidden_states, router_logits, token_ids) -> output rows
 Compute = Callable[..., object]
 
 
@@ -69,7 +69,7 @@ class FFNStepServer:
                 else:
                     try:
                         t0 = now()
-                        out = self.compute(layer, rows, batch.router_logits)
+                        out = self.compute(layer, rows, batch.router_logits, batch.token_ids)
                         self.trace.add("compute", t0, now())
                     except AFDPeerError:
                         raise  # the rank cannot stay in step (e.g. its TP group broke)

@@ -4,8 +4,8 @@ An FFN server with `--tensor-parallel-size T` is one FFN rank whose MLP/MoE weig
 shards over its T workers; the layer's own reduction (the MoE's / row-parallel all-reduce
 in vLLM's TP group) leaves the full output on every worker. TP rank 0, the leader, runs the
 AFD protocol with the attention peers as an unsharded FFN rank does; before it computes a
-layer/micro-batch it hands the rows (and, gate on attention, their router logits) to the
-followers (TP ranks 1..T-1), which compute the same layer with it, so every collective inside the layer has all T members. Nothing else
+layer/micro-batch it hands the rows (and, when the wire carries them, their router logits
+and token ids) to the followers (TP ranks 1..T-1), which compute the same layer with it, so every collective inside the layer has all T members. Nothing else
 crosses the group: zero-row micro-batches and failed steps compute nothing anywhere.
 
 Why the leader and not every TP rank receives from the attention peers: the attention side
@@ -31,7 +31,7 @@ logger = get_logger(__name__)
 
 CMD_STOP, CMD_COMPUTE = 0, 1
 HEADER_LEN = 3  # command, layer, rows
-ROWS_TAG, LOGITS_TAG = 0, 1
+ROWS_TAG, LOGITS_TAG, TOKENS_TAG = 0, 1, 2
 STOP_DELIVERY_S = 1.0
 
 
@@ -49,7 +49,12 @@ class TensorParallelLeader:
         self.shared = 0  # layer/micro-batches handed to the group
 
     def _to_followers(
-        self, header: list[int], rows=None, logits=None, timeout_s: float | None = None
+        self,
+        header: list[int],
+        rows=None,
+        logits=None,
+        token_ids=None,
+        timeout_s: float | None = None,
     ):
         import torch
 
@@ -62,6 +67,8 @@ class TensorParallelLeader:
                     handles.append(self.transport.isend(rows, follower, ROWS_TAG))
                 if logits is not None:
                     handles.append(self.transport.isend(logits, follower, LOGITS_TAG))
+                if token_ids is not None:
+                    handles.append(self.transport.isend(token_ids, follower, TOKENS_TAG))
             for h in handles:  # the rows' buffer is reused by the next receive
                 h.wait(timeout_s)
         except TransportError as exc:
@@ -69,10 +76,12 @@ class TensorParallelLeader:
                 f"FFN rank {self.ffn_rank}: its tensor-parallel group lost a member: {exc}"
             ) from None
 
-    def share(self, layer: int, rows, router_logits=None) -> None:
+    def share(self, layer: int, rows, router_logits=None, token_ids=None) -> None:
         """Before computing `layer` on `rows`: the followers compute it with this rank."""
         logits = router_logits.contiguous() if router_logits is not None else None
-        self._to_followers([CMD_COMPUTE, layer, rows.shape[0]], rows.contiguous(), logits)
+        ids = token_ids.contiguous() if token_ids is not None else None
+        header = [CMD_COMPUTE, layer, rows.shape[0]]
+        self._to_followers(header, rows.contiguous(), logits, ids)
         self.shared += 1
 
     def stop(self) -> None:
@@ -98,6 +107,7 @@ class TensorParallelFollower:
         hidden: int,
         dtype,
         router_width: int = 0,
+        token_ids: bool = False,
     ):
         self.transport = transport
         self.ffn_rank = ffn_rank
@@ -105,10 +115,11 @@ class TensorParallelFollower:
         self.hidden = hidden
         self.dtype = dtype
         self.router_width = router_width  # > 0: the gate runs on attention, logits follow
+        self.token_ids = token_ids  # each row's token id follows (hash-routed MoE)
         self.computed = 0  # layer/micro-batches computed
 
     def serve(
-        self, compute: Callable[[int, object, object], object], stop: threading.Event
+        self, compute: Callable[[int, object, object, object], object], stop: threading.Event
     ) -> None:
         """Until the leader says stop (or `stop` is set); compute errors propagate (the
         group cannot stay in step after one, so the server stops)."""
@@ -117,6 +128,7 @@ class TensorParallelFollower:
         head = torch.zeros(HEADER_LEN, dtype=torch.int64)
         buf = torch.empty(0, self.hidden, dtype=self.dtype)
         logits_buf = torch.empty(0, self.router_width, dtype=torch.float32)
+        ids_buf = torch.empty(0, dtype=torch.int64)
         while not stop.is_set():
             try:
                 self.transport.recv_control(head, 0)
@@ -127,12 +139,17 @@ class TensorParallelFollower:
                     size = max(n, 2 * buf.shape[0])
                     buf = torch.empty(size, self.hidden, dtype=self.dtype)
                     logits_buf = torch.empty(size, self.router_width, dtype=torch.float32)
+                    ids_buf = torch.empty(size, dtype=torch.int64)
                 rows = buf[:n]
                 self.transport.recv(rows, 0, ROWS_TAG)
                 logits = None
                 if self.router_width:
                     logits = logits_buf[:n]
                     self.transport.recv(logits, 0, LOGITS_TAG)
+                ids = None
+                if self.token_ids:
+                    ids = ids_buf[:n]
+                    self.transport.recv(ids, 0, TOKENS_TAG)
             except TransportError as exc:
                 if stop.is_set():
                     return
@@ -140,7 +157,7 @@ class TensorParallelFollower:
                     f"FFN rank {self.ffn_rank} TP rank {self.tp_rank}: lost TP rank 0: {exc}"
                 ) from None
             with torch.inference_mode():
-                compute(layer, rows, logits)
+                compute(layer, rows, logits, ids)
             self.computed += 1
 
     def close(self) -> None:

@@ -86,6 +86,7 @@ def make_wire_spec(vllm_config, model) -> WireSpec:
         num_exchange_layers=len(model.ffn_layer_indices()),
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         router_width=model.router_width(),
+        token_ids=model.routes_by_token_id(),
     )
 
 
@@ -198,18 +199,19 @@ class FFNRole(_Role):
             wire.hidden_size,
             getattr(torch, wire.dtype),
             wire.router_width,
+            wire.token_ids,
         )
 
-    def _compute(self, layer: int, hidden_states, router_logits):
+    def _compute(self, layer: int, hidden_states, router_logits, token_ids=None):
         if self._fail_next is not None and self._fail_next[0] == layer:
             _, reason = self._fail_next
             self._fail_next = None
             raise RuntimeError(f"injected FFN step failure ({reason})")
         if self.tp_leader is None:
-            return self.model.compute_ffn_output(layer, hidden_states, router_logits)
-        self.tp_leader.share(layer, hidden_states, router_logits)
+            return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
+        self.tp_leader.share(layer, hidden_states, router_logits, token_ids)
         try:
-            return self.model.compute_ffn_output(layer, hidden_states, router_logits)
+            return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
         except Exception as exc:
             # the followers may be inside the layer's collectives: no later step could
             # line up with them
@@ -219,9 +221,9 @@ class FFNRole(_Role):
                 "cannot stay in step, the FFN server stops"
             ) from exc
 
-    def _follow(self, layer: int, hidden_states, router_logits) -> None:
+    def _follow(self, layer: int, hidden_states, router_logits, token_ids) -> None:
         with self.forward_context():
-            self.model.compute_ffn_output(layer, hidden_states, router_logits)
+            self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
 
     def inject_failure(self, layer: int, reason: str) -> None:
         """Make the next step's compute fail at `layer` (drills and tests; TP rank 0
