@@ -8,8 +8,9 @@ line per job on stdout: {"key", ...what the model holds}. Several models per pro
 importing vLLM costs far more than building a tiny model.
 
 A job with "role": "ffn-vs-native" builds the FFN role and vLLM's own model of the same
-checkpoint and reports, per layer, how far the FFN role's output (rows and token ids as the
-exchange delivers them) is from the native layer's FFN on the same input.
+checkpoint and reports, per layer, how far the FFN role's output (rows, and token ids when
+"token_ids", as the exchange delivers them) is from the native layer's FFN on the same
+input; "native_layers" (attribute path) and "native_ffn" name that FFN in vLLM's model.
 
 dense_for_sparse: vLLM's CPU platform refuses sparse attention (DeepSeek-V3.2's indexer)
 when the model is built; this stand-in selects the dense CPU MLA backend for it, so the
@@ -49,19 +50,24 @@ def ffn_vs_native(job, build) -> dict:
     afd, afd_config = build(job, "ffn")
     native, native_config = build(job, "native")
     g = torch.Generator().manual_seed(0)
-    config = native_config.model_config.hf_config
+    config = native_config.model_config.hf_text_config
+    layers = native
+    for attr in job["native_layers"].split("."):
+        layers = getattr(layers, attr)
     out = {}
     for i in afd.ffn_layer_indices():
         dtype = native_config.model_config.dtype
         rows = (torch.randn(5, config.hidden_size, generator=g) * 0.5).to(dtype)
-        ids = torch.randint(0, config.vocab_size, (5,), generator=g)
+        ids = torch.randint(0, config.vocab_size, (5,), generator=g) if job["token_ids"] else None
+        native_ffn = getattr(layers[i], job["native_ffn"])
         with torch.inference_mode():
             with set_forward_context(None, afd_config):
                 mine = afd.compute_ffn_output(i, rows.clone(), None, ids)
             with set_forward_context(None, native_config):
-                theirs = native.model.layers[i].ffn(rows.clone(), ids)
+                theirs = (
+                    native_ffn(rows.clone(), ids) if ids is not None else native_ffn(rows.clone())
+                )
         out[str(i)] = float((mine.float() - theirs.float()).abs().max())
-    out["hash_layers"] = config.num_hash_layers
     out["native_cls"] = type(native).__name__
     return {"max_abs_diff": out}
 
@@ -79,6 +85,14 @@ def main():
     import afd_models.deepseek_v2 as ds
     import afd_models.deepseek_v4 as v4
     import afd_models.qwen3_moe as qw
+
+    wrappers = [ds.AFDDeepseekV2ForCausalLM, qw.AFDQwen3MoeForCausalLM, v4.AFDDeepseekV4ForCausalLM]
+    try:  # vLLM's qwen3_5 needs torchvision (the stand-in, in the process that builds it)
+        import afd_models.qwen3_5 as q35
+
+        wrappers.append(q35.AFDQwen3_5MoeForConditionalGeneration)
+    except ImportError:
+        pass
     import afd_models.role as role_mod
     import afd_models.weights as weights_mod
     from afd_core.workers.roles import afd_architecture
@@ -98,11 +112,7 @@ def main():
             yield name, t
 
     role_mod.filter_weights = recording
-    for cls in (
-        ds.AFDDeepseekV2ForCausalLM,
-        qw.AFDQwen3MoeForCausalLM,
-        v4.AFDDeepseekV4ForCausalLM,
-    ):
+    for cls in wrappers:
 
         def wrap(orig):
             def load_weights(self, weights):

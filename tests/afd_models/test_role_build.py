@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,6 +25,8 @@ BACKENDS = {
 SPARSE = ("deepseek_v32", "glm_moe_dsa")  # CPU refuses their sparse attention: a stand-in
 GATED = "deepseek_v3 gate on attention"
 V4 = "deepseek_v4"  # bf16: what vLLM's CPU kernels for V4 take
+Q35 = "qwen3_5_moe"  # bf16: its linear attention runs only in bf16 on CPU
+STAND_INS = Path(__file__).with_name("stand_ins")  # torchvision, for vLLM's qwen3_5 import
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +57,34 @@ def built(checkpoints):
     v4 = str(checkpoints(V4))
     for role in ("attention", "ffn", "ffn-vs-native"):
         jobs.append({"key": [V4, role], "checkpoint": v4, "role": role, "dtype": "bfloat16"})
+    jobs[-1] |= {"native_layers": "model.layers", "native_ffn": "ffn", "token_ids": True}
+    # Qwen3.5-MoE: its own process, with the torchvision stand-in if torchvision is missing
+    q35 = str(checkpoints(Q35))
+    q35_jobs = [
+        {"key": [Q35, role], "checkpoint": q35, "role": role, "dtype": "bfloat16"}
+        for role in ("attention", "ffn", "ffn-vs-native")
+    ]
+    q35_jobs[-1] |= {
+        "native_layers": "language_model.model.layers",
+        "native_ffn": "mlp",
+        "token_ids": False,
+    }
+    q35_env = dict(os.environ)
+    if importlib.util.find_spec("torchvision") is None:
+        q35_env["PYTHONPATH"] = os.pathsep.join(
+            [str(STAND_INS), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
 
-    def probe(some):
+    def probe(some, env=None):
         cmd = [sys.executable, str(PROBE), json.dumps(some)]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
-    # two processes: each is mostly one core importing vLLM, then building tiny models
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(probe, [jobs[0::2], jobs[1::2]]))
+    # one process per core: each is mostly importing vLLM, then building tiny models
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(probe, jobs[0::2]), pool.submit(probe, jobs[1::2])]
+        futures.append(pool.submit(probe, q35_jobs, q35_env))
+        runs = [f.result() for f in futures]
+    jobs += q35_jobs
     out = {}
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
@@ -181,5 +205,31 @@ def test_deepseek_v4_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(bu
     # the FFN role on rows and token ids as the exchange delivers them == vLLM's V4 layer's
     # FFN on the same input, bit for bit, the hash-routed layer 0 included
     diff = built_v4("ffn-vs-native")["max_abs_diff"]
-    assert diff.pop("hash_layers") == 1 and diff.pop("native_cls") == "DeepseekV4ForCausalLM"
+    assert diff.pop("native_cls") == "DeepseekV4ForCausalLM"
+    assert diff == {"0": 0.0, "1": 0.0, "2": 0.0}, diff
+
+
+def is_q35_ffn(name: str) -> bool:
+    return re.search(r"(^|\.)layers\.\d+\.mlp\.", name) is not None
+
+
+def test_qwen3_5_moe_attention_role_keeps_both_attention_kinds_and_the_vision_tower(built):
+    att = built[(Q35, "attention")]
+    assert att["cls"] == "AFDQwen3_5MoeForConditionalGeneration"
+    assert not [n for n in att["params"] if is_q35_ffn(n)]
+    want = {"QwenGatedDeltaNetAttention", "Qwen3NextAttention", "Qwen3_VisionTransformer"}
+    assert want <= set(att["modules"]) and "RemoteFFN" in att["modules"]
+    assert "GemmaRMSNorm" in att["modules"] and "MoERunner" not in att["modules"]
+    assert any(n.startswith("visual.") for n in att["params"])
+    assert sorted(att["seen"]) == sorted(k for k in att["ckpt"] if not is_q35_ffn(k))
+
+
+def test_qwen3_5_moe_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(built):
+    ffn = built[(Q35, "ffn")]
+    assert ffn["params"] and all(is_q35_ffn(n) for n in ffn["params"])
+    assert any("shared_expert_gate" in n for n in ffn["params"])
+    assert sorted(ffn["seen"]) == sorted(k for k in ffn["ckpt"] if is_q35_ffn(k))
+    assert not {"Qwen3_VisionTransformer", "QwenGatedDeltaNetAttention"} & set(ffn["modules"])
+    diff = built[(Q35, "ffn-vs-native")]["max_abs_diff"]
+    assert diff.pop("native_cls") == "Qwen3_5MoeForConditionalGeneration"
     assert diff == {"0": 0.0, "1": 0.0, "2": 0.0}, diff

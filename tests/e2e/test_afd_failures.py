@@ -33,7 +33,7 @@ BAD_STARTS = {
         "'Qwen2MoeForCausalLM' has no AFD wrapper; AFD runs: DeepseekForCausalLM, "
         "DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, DeepseekV3ForCausalLM, "
         "DeepseekV4ForCausalLM, GlmMoeDsaForCausalLM, Qwen3MoeForCausalLM (registered, not "
-        "implemented yet: Qwen3_5MoeForConditionalGeneration)",
+        "runnable here: Qwen3_5MoeForConditionalGeneration)",
     ),
 }
 

@@ -23,7 +23,7 @@ from vllm.platforms import current_platform
 
 from afd_core.config import require_afd_config
 from afd_models.not_implemented import not_implemented_model
-from afd_models.role import AFDRoleModel, RemoteFFN
+from afd_models.role import DYNAMIC_ARG_DIMS, AFDRoleModel, RemoteFFN
 
 
 def _split_cpu_implementation():
@@ -83,14 +83,7 @@ def _split_cpu_implementation():
                 native.HAS_AITER_MHC and self.hidden_size % 256 == 0
             )
 
-    @support_torch_compile(
-        dynamic_arg_dims={
-            "input_ids": 0,
-            "positions": -1,
-            "intermediate_tensors": 0,
-            "inputs_embeds": 0,
-        }
-    )
+    @support_torch_compile(dynamic_arg_dims=DYNAMIC_ARG_DIMS)
     class AFDDeepseekV4Model(native.DeepseekV4Model):
         def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
             nn.Module.__init__(self)

@@ -11,7 +11,6 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
 from vllm.model_executor.models import qwen3_moe as native
@@ -24,7 +23,13 @@ from vllm.model_executor.models.utils import (
 )
 
 from afd_core.config import require_afd_config
-from afd_models.role import AFDRoleModel, attention_side, ffn_side
+from afd_models.role import (
+    AFDRoleModel,
+    attention_side,
+    ffn_side,
+    moe_bookkeeping,
+    role_lm_head,
+)
 
 
 def _is_moe_layer(config, layer_idx: int) -> bool:
@@ -130,32 +135,20 @@ class AFDQwen3MoeForCausalLM(AFDRoleModel, native.Qwen3MoeForCausalLM):
         if getattr(config, "mlp_only_layers", []):
             self.packed_modules_mapping["gate_up_proj"] = ["gate_proj", "up_proj"]
         self.model = AFDQwen3MoeModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if self.afd.is_attention:
-            self.lm_head = ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                quant_config=self.quant_config,
-                prefix=maybe_prefix(prefix, "lm_head"),
-            )
-            if config.tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        else:
-            self.lm_head = PPMissingLayer()
+        self.lm_head = role_lm_head(
+            self.afd,
+            config,
+            self.quant_config,
+            maybe_prefix(prefix, "lm_head"),
+            getattr(self.model, "embed_tokens", None),
+        )
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        # MixtureOfExperts bookkeeping: real on the FFN role, empty on attention
-        moe_blocks = [
-            layer.mlp
-            for layer in self.model.layers
-            if isinstance(getattr(layer, "mlp", None), native.Qwen3MoeSparseMoeBlock)
-        ]
-        self.moe_layers = [m.experts for m in moe_blocks]
-        self.num_moe_layers = len(self.moe_layers)
-        self.num_expert_groups = 1
-        self.num_shared_experts = 0
-        example = moe_blocks[-1] if moe_blocks else None
-        self.num_logical_experts = example.n_logical_experts if example else 0
-        self.num_physical_experts = example.n_physical_experts if example else 0
-        self.num_local_physical_experts = example.n_local_physical_experts if example else 0
-        self.num_routed_experts = example.n_routed_experts if example else 0
-        self.num_redundant_experts = example.n_redundant_experts if example else 0
+        moe_bookkeeping(
+            self,
+            [
+                layer.mlp
+                for layer in self.model.layers
+                if isinstance(getattr(layer, "mlp", None), native.Qwen3MoeSparseMoeBlock)
+            ],
+        )

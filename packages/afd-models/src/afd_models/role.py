@@ -104,6 +104,44 @@ class GatedRemoteFFN(torch.nn.Module):
         return f"exchange_index={self.exchange_index}"
 
 
+# vLLM's torch.compile dims of a decoder stack's forward arguments (tokens first; positions
+# last, as M-RoPE's are (3, tokens)); the role models compile eagerly on CPU but keep them
+DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+
+
+def role_lm_head(afd, config, quant_config, prefix: str, embed_tokens=None) -> torch.nn.Module:
+    """Attention role: vLLM's LM head (tied to `embed_tokens` when the config says so);
+    FFN role: a placeholder."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if not afd.is_attention:
+        return PPMissingLayer()
+    head = ParallelLMHead(
+        config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=prefix
+    )
+    if getattr(config, "tie_word_embeddings", False) and embed_tokens is not None:
+        head = head.tie_weights(embed_tokens)
+    return head
+
+
+def moe_bookkeeping(model: torch.nn.Module, blocks: list) -> None:
+    """vLLM's MixtureOfExperts attributes from the MoE blocks this role built: real on the
+    FFN role, empty on attention (which builds none)."""
+    model.moe_layers = [b.experts for b in blocks]
+    model.num_moe_layers = len(blocks)
+    model.num_expert_groups = 1
+    model.num_shared_experts = 0
+    example = blocks[-1] if blocks else None
+    for attr in (
+        "n_logical_experts",
+        "n_physical_experts",
+        "n_local_physical_experts",
+        "n_routed_experts",
+        "n_redundant_experts",
+    ):
+        setattr(model, "num_" + attr[2:], getattr(example, attr) if example else 0)
+
+
 class AFDRoleModel:
     """Mixin for the top-level AFD model classes (needs `self.afd` and `self.model`)."""
 

@@ -28,6 +28,7 @@ ARCHITECTURES = (
     "deepseek_v4",
     "glm_moe_dsa",
     "qwen3_moe",
+    "qwen3_5_moe",
 )
 ARCH_CLASS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -36,6 +37,7 @@ ARCH_CLASS = {
     "deepseek_v4": "DeepseekV4ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 # V3's MoE with the V3.2 sparse-attention indexer (GLM-MoE-DSA is built from the same code)
 SPARSE_MLA = ("deepseek_v32", "glm_moe_dsa")
@@ -166,6 +168,8 @@ def _hf_config(spec: TinySpec):
             else transformers.GlmMoeDsaConfig
         )
         return cls(**common, **mla, **v3, **indexer)
+    if spec.arch == "qwen3_5_moe":
+        return _qwen3_5_config(spec)
     return transformers.Qwen3MoeConfig(
         **common,
         num_key_value_heads=2,
@@ -176,6 +180,68 @@ def _hf_config(spec: TinySpec):
         decoder_sparse_step=1,
         mlp_only_layers=[0],
         norm_topk_prob=True,
+    )
+
+
+def _qwen3_5_config(spec: TinySpec):
+    """Qwen3.5-MoE with a one-block vision tower: layers 0, 1 linear attention (Gated
+    DeltaNet; vLLM's CPU kernels take head dims 64/128 and bf16), every third full
+    attention; hidden 128 so that M-RoPE's sections fit the rotary dims. num_layers,
+    num_experts, top_k and the vocabulary apply."""
+    import transformers
+
+    vocab = spec.vocab_size
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=2 * spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k,
+        max_position_embeddings=1024,
+        layer_types=[
+            "full_attention" if i % 3 == 2 else "linear_attention" for i in range(spec.num_layers)
+        ],
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=spec.initializer_range,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=128,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+    )
+    # the last four ids of the vocabulary mark images and videos (never in our prompts)
+    return transformers.Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 1,
     )
 
 
@@ -371,9 +437,11 @@ def build(spec: TinySpec, out_dir: Path) -> Path:
         return out_dir
     config = _hf_config(spec)
     model_cls = getattr(transformers, ARCH_CLASS[spec.arch])
+    # Qwen3.5's linear attention runs only in bf16 on vLLM's CPU build
+    dtype = torch.bfloat16 if spec.arch == "qwen3_5_moe" else torch.float32
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        model = model_cls(config).to(torch.float32)
+        model = model_cls(config).to(dtype)
         with torch.no_grad():
             model.lm_head.weight.mul_(spec.logit_scale)
         if spec.arch in ("deepseek_v3", *SPARSE_MLA):  # a non-zero bias: noaux_tc routing

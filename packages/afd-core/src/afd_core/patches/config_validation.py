@@ -149,17 +149,34 @@ def afd_architectures() -> list[str]:
 
 
 def _wrapper(arch: str):
+    """The AFD wrapper class of `arch`; AFDDeploymentError when it cannot be imported here
+    (a dependency the model's vLLM module needs is missing)."""
     from vllm.model_executor.models import ModelRegistry
 
-    return ModelRegistry.models["AFD" + arch].load_model_cls()
+    registered = ModelRegistry.models["AFD" + arch]
+    try:
+        return registered.load_model_cls()
+    except ImportError as exc:
+        raise AFDDeploymentError(
+            f"AFD: the wrapper of {arch} cannot be imported here: {type(exc).__name__}: "
+            f"{exc} (vLLM's module for this model needs it; install it next to vLLM)"
+        ) from exc
+
+
+def _not_runnable(arch: str) -> str | None:
+    try:
+        return getattr(_wrapper(arch), "afd_not_implemented", None)
+    except AFDDeploymentError as exc:
+        return str(exc)
 
 
 def runnable_architectures() -> str:
-    """What an error says AFD can run: the registered wrappers that are implemented."""
+    """What an error says AFD can run here: the registered wrappers that are implemented
+    and importable."""
     names = afd_architectures()
-    pending = [a for a in names if getattr(_wrapper(a), "afd_not_implemented", None)]
+    pending = [a for a in names if _not_runnable(a)]
     runs = ", ".join(a for a in names if a not in pending)
-    return runs + (f" (registered, not implemented yet: {', '.join(pending)})" if pending else "")
+    return runs + (f" (registered, not runnable here: {', '.join(pending)})" if pending else "")
 
 
 def validate_model(afd, vllm_config) -> None:
@@ -181,6 +198,17 @@ def validate_model(afd, vllm_config) -> None:
             "DeepSeek family (DeepseekForCausalLM, DeepseekV2/V3/V32ForCausalLM, "
             "GlmMoeDsaForCausalLM) runs it on attention"
         )
+
+
+def _prefix_caching_off(vllm_config) -> None:
+    """An FFN engine has no KV cache groups: prefix caching off. vLLM has already sized a
+    hybrid (linear-attention) model's state cache for prefix caching by then ("align"
+    mode, a block-sized mamba block); give it what vLLM chooses without prefix caching."""
+    cache = vllm_config.cache_config
+    cache.enable_prefix_caching = False
+    if getattr(cache, "mamba_cache_mode", "none") == "align":
+        cache.mamba_cache_mode = "none"
+        cache.mamba_block_size = vllm_config.model_config.max_model_len
 
 
 def _check_and_update_config(original, cls, vllm_config) -> None:
@@ -209,7 +237,7 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
         pc.enable_dbo = False
         pc.ubatch_size = 0
         if afd.is_ffn:
-            vllm_config.cache_config.enable_prefix_caching = False
+            _prefix_caching_off(vllm_config)
     original(vllm_config)
 
 
