@@ -9,6 +9,8 @@ import pytest
 
 # attention backend each architecture needs in fp32 on CPU
 BACKENDS = {"deepseek_v2": "CPU_MLA", "qwen3_moe": None}
+# architectures only some modules serve (no module-wide parametrization over them)
+BACKENDS_MORE = {"deepseek_v3": "CPU_MLA"}
 # token lengths 4, 7, 5, 5 with the tiny tokenizer: two micro-batches of a batch of all four
 # are the first two and the last two requests, in prefill and in decode
 PROMPTS = [
@@ -73,7 +75,7 @@ def with_reference(arch: str, model: str, log_dir: Path, servers: list) -> list:
         f"{arch}-reference-colocated",
         model,
         free_port(),
-        attention_backend=BACKENDS[arch],
+        attention_backend={**BACKENDS, **BACKENDS_MORE}[arch],
         env=SHARED_CORES,
     )
     return [Server(spec, log_dir), *servers]

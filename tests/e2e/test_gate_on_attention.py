@@ -1,8 +1,10 @@
 """The MoE router on the attention side (`compute_gate_on_attention`), as real `vllm serve`
-processes (DeepSeek-V2, fp32 greedy): the attention server computes each MoE layer's router
-logits and sends them with the rows, the FFN server routes with them and runs the experts
-only; the tokens are the colocated server's (which test_afd_serve shows are also the tokens
-of AFD with the gate on the FFN side).
+processes (DeepSeek-V3, fp32 greedy: sigmoid scores and noaux_tc routing with a non-zero
+correction bias, which stays on the FFN side): the attention server computes each MoE
+layer's router logits and sends them with the rows, the FFN server routes with them and
+runs the experts only; the tokens are the colocated server's (test_afd_serve shows AFD with
+the gate on the FFN side gives the colocated tokens too). This is also DeepSeek-V3's end-to-
+end test.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from afd_plugin.launcher import local_deployment, running
-from tests.e2e.conftest import BACKENDS, assert_same, reference, run_prompts, with_reference
+from tests.e2e.conftest import BACKENDS_MORE, assert_same, reference, run_prompts, with_reference
 
 pytestmark = pytest.mark.e2e
 
-ARCH = "deepseek_v2"
+ARCH = "deepseek_v3"
 
 
 def test_gate_on_attention_gives_the_colocated_tokens(checkpoints, log_dir):
@@ -22,7 +24,7 @@ def test_gate_on_attention_gives_the_colocated_tokens(checkpoints, log_dir):
     d = local_deployment(
         model,
         log_dir,
-        attention_backend=BACKENDS[ARCH],
+        attention_backend=BACKENDS_MORE[ARCH],
         afd_extra={"compute_gate_on_attention": True},
         tag=f"{ARCH}-gate-on-attention-",
     )
