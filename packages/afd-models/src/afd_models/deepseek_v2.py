@@ -20,7 +20,6 @@ from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
 from vllm.model_executor.models import deepseek_v2 as native
@@ -38,6 +37,7 @@ from afd_models.role import (
     RemoteFFN,
     attention_side,
     ffn_side,
+    role_lm_head,
 )
 
 
@@ -260,15 +260,10 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModel, native.DeepseekV2ForCausalLM):
         if self.fuse_qkv_a_proj:
             self.packed_modules_mapping["fused_qkv_a_proj"] = ["q_a_proj", "kv_a_proj_with_mqa"]
         self.model = self.model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if self.afd.is_attention and get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                quant_config=self.quant_config,
-                prefix=maybe_prefix(prefix, "lm_head"),
-            )
-        else:
-            self.lm_head = PPMissingLayer()
+        # vLLM's DeepSeek never ties its head to the embeddings
+        self.lm_head = role_lm_head(
+            self.afd, config, self.quant_config, maybe_prefix(prefix, "lm_head")
+        )
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.num_moe_layers = config.num_hidden_layers - config.first_k_dense_replace

@@ -23,16 +23,14 @@ from vllm.platforms import current_platform
 
 from afd_core.config import require_afd_config
 from afd_models.not_implemented import not_implemented_model
-from afd_models.role import DYNAMIC_ARG_DIMS, AFDRoleModel, RemoteFFN
+from afd_models.role import DYNAMIC_ARG_DIMS, AFDRoleModel, RemoteFFN, role_lm_head
 
 
 def _split_cpu_implementation():
     from vllm.compilation.decorators import support_torch_compile
-    from vllm.distributed import get_pp_group
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
         VocabParallelEmbedding,
     )
     from vllm.model_executor.models.utils import (
@@ -147,14 +145,8 @@ def _split_cpu_implementation():
             expert_dtype = getattr(config, "expert_dtype", "fp4")
             if expert_dtype != "fp4":
                 self.hf_to_vllm_mapper = native._make_deepseek_v4_weights_mapper(expert_dtype)
-            if self.afd.is_attention and get_pp_group().is_last_rank:
-                self.lm_head = ParallelLMHead(
-                    config.vocab_size,
-                    config.hidden_size,
-                    prefix=maybe_prefix(prefix, "lm_head"),
-                )
-            else:
-                self.lm_head = PPMissingLayer()
+            # as vLLM's V4: an unquantized head, never tied to the embeddings
+            self.lm_head = role_lm_head(self.afd, config, None, maybe_prefix(prefix, "lm_head"))
             self.logits_processor = LogitsProcessor(config.vocab_size)
             self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 

@@ -110,11 +110,12 @@ DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, 
 
 
 def role_lm_head(afd, config, quant_config, prefix: str, embed_tokens=None) -> torch.nn.Module:
-    """Attention role: vLLM's LM head (tied to `embed_tokens` when the config says so);
-    FFN role: a placeholder."""
+    """Attention role: vLLM's LM head (tied to `embed_tokens` when the config says so and
+    one is given); FFN role, or not the last pipeline stage: a placeholder."""
+    from vllm.distributed import get_pp_group
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    if not afd.is_attention:
+    if not (afd.is_attention and get_pp_group().is_last_rank):
         return PPMissingLayer()
     head = ParallelLMHead(
         config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=prefix

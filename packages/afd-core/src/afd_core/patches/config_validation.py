@@ -192,11 +192,15 @@ def validate_model(afd, vllm_config) -> None:
     if reason := getattr(wrapper, "afd_not_implemented", None):
         raise AFDDeploymentError(f"AFD: {reason}; AFD runs: {runnable_architectures()}")
     if afd.compute_gate_on_attention and not getattr(wrapper, "supports_gate_on_attention", False):
+        gated = [
+            a
+            for a in afd_architectures()
+            if not _not_runnable(a) and getattr(_wrapper(a), "supports_gate_on_attention", False)
+        ]
         raise AFDDeploymentError(
             f"afd config: compute_gate_on_attention=True is not supported for {arch} "
-            f"({wrapper.__name__} runs the router on the FFN side); allowed: false. The "
-            "DeepSeek family (DeepseekForCausalLM, DeepseekV2/V3/V32ForCausalLM, "
-            "GlmMoeDsaForCausalLM) runs it on attention"
+            f"({wrapper.__name__} runs the router on the FFN side); allowed: false. These "
+            f"run it on attention: {', '.join(gated)}"
         )
 
 
