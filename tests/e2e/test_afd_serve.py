@@ -16,10 +16,15 @@ compare exactly (max logprob difference 1e-5), colocated or AFD.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -55,14 +60,14 @@ pytestmark = pytest.mark.e2e
 STEP_TIMEOUT_S = 30  # connector timeout_s: a hang would fail within this
 
 
-def afd_pair(model, arch, log_dir, tag, dp=1):
+def afd_pair(model, arch, log_dir, tag, dp=1, env=None):
     d = local_deployment(
         model,
         log_dir,
         attention_ranks=dp,
         attention_backend=BACKENDS[arch],
         attention_args=DBO_ARGS,
-        env=DEV_MODE,
+        env={**DEV_MODE, **(env or {})},
         afd_extra={"connector_extra_config": {"timeout_s": STEP_TIMEOUT_S}},
         tag=f"{arch}-{tag}-",
     )
@@ -86,10 +91,13 @@ def one_to_one(request, checkpoints, log_dir):
     arch = request.param
     model = str(checkpoints(arch))
     colocated = colocated_server(model, arch, log_dir)
-    ffn, att = afd_pair(model, arch, log_dir, "1a1f")
+    trace = str(log_dir / f"{arch}-1a1f-trace")  # step timelines, for `afd bench`
+    ffn, att = afd_pair(model, arch, log_dir, "1a1f", env={"AFD_STEP_TRACE": trace})
     with running([colocated, ffn, att]):
         _ALONE[arch] = run_prompts(colocated.url)
-        yield SimpleNamespace(arch=arch, colocated=colocated, ffn=ffn, att=att)
+        yield SimpleNamespace(
+            arch=arch, model=model, trace=trace, colocated=colocated, ffn=ffn, att=att
+        )
 
 
 def set_m(att, m: int, decode_threshold: int | None = None) -> dict:
@@ -159,6 +167,54 @@ def test_a_failed_step_fails_its_request_and_the_next_one_is_served(one_to_one, 
         assert "injected attention step failure (test)" in log, d.att.log_tail(60)
     assert "finish with an error" in log, d.att.log_tail(60)
     assert d.att.proc.poll() is None and d.ffn.proc.poll() is None
+
+
+def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
+    """`afd bench` against this running deployment, the smallest run (one sweep size pair,
+    one repetition, batch 2): checks what it writes, not speed."""
+    from afd_core.planner.hardware import load_hardware
+    from afd_plugin.cli import main as afd_main
+
+    d = one_to_one
+    set_m(d.att, 1, decode_threshold=2)
+    out = tmp_path / "bench"
+    args = ["--sweep-hidden", "64", "--sweep-rows", "1", "4", "--iters", "5", "--batch", "2"]
+    args += ["--reps", "1", "--tokens", "4", "--out", str(out)]
+    args += ["--colocated-url", d.colocated.url, "--attention-url", d.att.url]
+    args += ["--trace", d.trace, "--checkpoint", d.model, "--save-profile", str(out / "p.json")]
+    exe = shutil.which("afd", path=str(Path(sys.executable).parent))
+    run = subprocess.run([exe, "bench", *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for stage in ("(1/4) connector sweep", "(2/4) compute", "(3/4) serving", "(4/4) calib"):
+        assert stage in run.stderr, run.stderr
+    result = json.loads((out / "bench.json").read_text())
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["format"] == 1
+    sweep = result["connector_sweep"]
+    assert [(r["hidden"], r["rows"], r["bytes"]) for r in sweep] == [(64, 1, 128), (64, 4, 512)]
+    for r in sweep:
+        for side in ("raw_us", "afd_us"):
+            assert r[side]["n"] == 5 and 0 < r[side]["p10"] <= r[side]["median"] <= r[side]["p90"]
+        assert r["ratio"] == pytest.approx(r["afd_us"]["median"] / r["raw_us"]["median"])
+    assert result["link_fit"]["latency_us"] >= 0 and result["link_fit"]["bandwidth_gbps"] > 0
+    assert result["compute"]["matmul_gflops"] > 0 and result["compute"]["memory_gbps"] > 0
+    rows = {(r["batch"], r["config"]): r for r in result["serving"]["results"]}
+    assert set(rows) == {(2, "colocated"), (2, "AFD m=1"), (2, "AFD m=2")}
+    assert (
+        rows[(2, "colocated")]["vs_colocated"] == 1.0 and rows[(2, "colocated")]["step_ms"] is None
+    )
+    assert rows[(2, "AFD m=1")]["vs_afd_m1"] == 1.0
+    for name in ("AFD m=1", "AFD m=2"):
+        assert rows[(2, name)]["tpot_ms"]["n"] == 1 and rows[(2, name)]["step_ms"]["median"] > 0
+    points = result["calibration"]["points"]
+    assert [(q["batch"], q["microbatches"]) for q in points] == [(2, 1), (2, 2)]
+    assert all(q["predicted_step_ms"] > 0 and q["measured_step_ms"] > 0 for q in points)
+    profile = load_hardware(str(out / "p.json"))
+    assert profile.to_dict() == result["profile"]
+    assert profile.attention_layer_overhead_us > 0 and profile.ffn_layer_overhead_us > 0
+    # the profile is what `afd plan` reads: a 1 s TPOT target is met on this machine
+    assert afd_main(["plan", "--model", d.model, "--hardware", str(out / "p.json"),
+                     "--tpot-ms", "1000", "--context", "64", "--max-devices", "4"]) == 0  # fmt: skip
 
 
 def test_dead_ffn_fails_the_request_at_once_and_names_the_peer(one_to_one):

@@ -1,4 +1,4 @@
-"""The `afd` command line: `afd doctor`, `afd demo`."""
+"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run an AFD deployment on this machine (CPU)")
     add_arguments(demo)
+    from afd_plugin import bench, plan
+
+    plan.add_arguments(
+        sub.add_parser("plan", help="choose the A:F shape for a model, hardware and TPOT target")
+    )
+    bench.add_arguments(
+        sub.add_parser("bench", help="measure the connector and AFD vs colocated on this machine")
+    )
     return parser
 
 
@@ -30,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "plan":
+        from afd_plugin.plan import main as plan_main
+
+        return plan_main(args)
+    if args.command == "bench":
+        from afd_plugin.bench import main as bench_main
+
+        return bench_main(args)
     return 2
 
 

@@ -1,0 +1,90 @@
+"""Per-layer times of one micro-batch: attention, FFN, and one transfer between them.
+
+Each compute time is a fixed per-layer cost plus a roofline: max(bytes / memory rate,
+flops / matmul rate) (the linear `t = k1 * rows + k2` stage model of MegaScale-Infer and
+of the analytical-provisioning paper, with the slope taken from the hardware's rates).
+- attention: the layer's weights once, plus every row's KV cache over `context` tokens
+- FFN: the experts a micro-batch touches (expected distinct experts of n tokens routed
+  top-k among E: E * (1 - (1 - k/E)^n)), the shared experts and the router, split over
+  the FFN devices (expert parallel); dense layers' MLP split likewise
+- transfer: alpha + bytes / link bandwidth, one direction; each token goes to the
+  expected number of distinct FFN devices holding its top-k experts (M2N dispatch)
+"""
+
+from __future__ import annotations
+
+from afd_core.planner.hardware import HardwareProfile
+from afd_core.planner.model_shape import ModelShape
+
+
+def roofline(nbytes: float, flops: float, hw: HardwareProfile) -> float:
+    return max(nbytes / hw.bytes_per_s, flops / hw.flops_per_s)
+
+
+def attention_layer_time(
+    model: ModelShape, hw: HardwareProfile, rows: float, context: float
+) -> float:
+    """One attention layer for `rows` decode tokens of `context` cached tokens each."""
+    if rows <= 0:
+        return 0.0
+    p = model.attention_params
+    nbytes = p * model.weight_bytes + rows * context * model.kv_bytes_per_token_layer
+    flops = rows * (2.0 * p + model.attention_core_flops(context))
+    return hw.attention_layer_overhead_us * 1e-6 + roofline(nbytes, flops, hw)
+
+
+def expected_active_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def ffn_layer_time(
+    model: ModelShape, hw: HardwareProfile, rows: float, ffn_devices: int, dense: bool = False
+) -> float:
+    """One FFN layer on each of `ffn_devices` devices for `rows` tokens arriving in one
+    micro-batch from all attention devices together."""
+    if rows <= 0:
+        return 0.0
+    f = ffn_devices
+    overhead = hw.ffn_layer_overhead_us * 1e-6
+    if dense:
+        p = model.dense_mlp_params
+        return overhead + roofline(p * model.weight_bytes / f, 2.0 * rows * p / f, hw)
+    active = expected_active_experts(model.num_experts, model.top_k, rows)
+    replicated = model.shared_params + model.router_params  # on every FFN device
+    nbytes = (active * model.expert_params / f + replicated) * model.weight_bytes
+    per_token = model.top_k * model.expert_params + model.shared_params
+    flops = 2.0 * rows * (per_token / f + model.router_params)
+    return overhead + roofline(nbytes, flops, hw)
+
+
+def dispatch_fanout(top_k: int, ffn_devices: int) -> float:
+    """Expected distinct FFN devices a token's top-k experts live on (experts spread evenly)."""
+    if ffn_devices <= 1:
+        return 1.0
+    return ffn_devices * (1.0 - (1.0 - 1.0 / ffn_devices) ** top_k)
+
+
+def transfer_times(
+    model: ModelShape,
+    hw: HardwareProfile,
+    rows_per_attention: float,
+    attention_devices: int,
+    ffn_devices: int,
+) -> tuple[float, float]:
+    """(latency, link occupancy) in seconds of one direction for one micro-batch: an
+    attention device sends its rows, an FFN device receives its share from all of them
+    (the busier end sets the occupancy)."""
+    if rows_per_attention <= 0:
+        return 0.0, 0.0
+    per_token = model.hidden_size * model.wire_bytes * dispatch_fanout(model.top_k, ffn_devices)
+    send = rows_per_attention * per_token
+    receive = attention_devices * rows_per_attention * per_token / ffn_devices
+    return hw.link_latency_us * 1e-6, max(send, receive) / hw.link_bytes_per_s
+
+
+def step_extra_time(model: ModelShape, hw: HardwareProfile, batch: float) -> float:
+    """An attention device's work outside the layers: the LM head and the fixed step cost."""
+    p = model.vocab_size * model.hidden_size
+    return hw.step_overhead_us * 1e-6 + roofline(p * model.weight_bytes, 2.0 * batch * p, hw)

@@ -1,0 +1,315 @@
+"""Choose the AFD shape: A:F device counts, micro-batches and batch per attention device that
+give the most tokens per second per device within a time-per-output-token target, next to
+colocated expert parallelism on the same hardware, with a plain verdict.
+
+A decode step of an AFD deployment with r attention devices and F FFN devices (one FFN
+group, experts spread over it): each attention device holds B requests in m micro-batches
+of B/m; the step time is the pipeline makespan (`pipeline.step_time`) plus the LM head;
+every request gets one token per step, so TPOT = step time and throughput per device =
+r B / step / (r + F). Larger B never predicts a shorter step, so the largest B within the
+target and the memory (weights + KV cache) is found by bisection.
+
+Colocated: N devices, each with attention (data parallel) and 1/N of the experts (expert
+parallel), dispatch and combine over the same link; without or with two micro-batches
+overlapping communication (vLLM's DBO), whichever is faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from afd_core.planner import costs
+from afd_core.planner.errors import PlanInputError
+from afd_core.planner.hardware import HardwareProfile
+from afd_core.planner.model_shape import ModelShape
+from afd_core.planner.pipeline import step_time
+
+ATTENTION_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+FFN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+MICROBATCHES = (1, 2, 3, 4)
+MAX_BATCH = 1 << 14
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    step_s: float  # forward + LM head + fixed step cost: the time per output token
+    forward_s: float  # the layers' pipeline alone
+    attention_layer_s: float  # one micro-batch, one MoE layer
+    ffn_layer_s: float
+    transfer_s: float  # latency + occupancy, one direction
+    bound: str  # what sets the pace: attention, ffn, transfer or round trip
+
+
+@dataclass(frozen=True)
+class Candidate:
+    attention_devices: int
+    ffn_devices: int
+    microbatches: int
+    batch_per_attention_device: int
+    tpot_ms: float
+    tokens_per_s_per_device: float
+    breakdown: StepBreakdown
+
+    @property
+    def shape(self) -> str:
+        return f"{self.attention_devices}A{self.ffn_devices}F"
+
+
+@dataclass(frozen=True)
+class Colocated:
+    devices: int
+    batch_per_device: int
+    microbatches: int
+    tpot_ms: float
+    tokens_per_s_per_device: float
+
+
+@dataclass
+class Plan:
+    model: str
+    hardware: str
+    tpot_target_ms: float
+    context: int
+    candidates: list[Candidate] = field(default_factory=list)  # best first
+    colocated: list[Colocated] = field(default_factory=list)  # best first
+    fastest_afd_tpot_ms: float | None = None  # batch 1 per micro-batch, best shape
+    fastest_colocated_tpot_ms: float | None = None
+
+    @property
+    def slo_met(self) -> bool:
+        return bool(self.candidates or self.colocated)
+
+    @property
+    def afd_gain(self) -> float | None:
+        """Best AFD tokens/s/device over best colocated (None if either meets no target)."""
+        if not (self.candidates and self.colocated):
+            return None
+        return (
+            self.candidates[0].tokens_per_s_per_device / self.colocated[0].tokens_per_s_per_device
+        )
+
+    def verdict(self) -> str:
+        t = f"{self.tpot_target_ms:g} ms"
+        if not self.slo_met:
+            return (
+                f"the target TPOT {t} cannot be met with {self.model} on {self.hardware} at "
+                f"context {self.context}: the fastest AFD shape predicts "
+                f"{_ms(self.fastest_afd_tpot_ms)}, colocated {_ms(self.fastest_colocated_tpot_ms)} "
+                "(at the smallest batch)"
+            )
+        if not self.candidates:
+            return f"AFD does not pay here: no AFD shape meets {t}; colocated does"
+        best = self.candidates[0]
+        if not self.colocated:
+            return f"AFD pays: {best.shape} m={best.microbatches} meets {t}; colocated cannot"
+        gain = self.afd_gain
+        co = self.colocated[0]
+        what = "AFD pays" if gain > 1.0 else "AFD does not pay here"
+        return (
+            f"{what}: {best.shape} m={best.microbatches} B={best.batch_per_attention_device} "
+            f"gives {best.tokens_per_s_per_device:.1f} tok/s/device = {gain:.2f}x colocated "
+            f"EP{co.devices} ({co.tokens_per_s_per_device:.1f} tok/s/device) at TPOT <= {t}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "tpot_target_ms": self.tpot_target_ms,
+            "context": self.context,
+            "slo_met": self.slo_met,
+            "afd_gain": self.afd_gain,
+            "verdict": self.verdict(),
+            "fastest_afd_tpot_ms": self.fastest_afd_tpot_ms,
+            "fastest_colocated_tpot_ms": self.fastest_colocated_tpot_ms,
+            "candidates": [{**asdict(c), "shape": c.shape} for c in self.candidates],
+            "colocated": [asdict(c) for c in self.colocated],
+        }
+
+
+def _ms(s: float | None) -> str:
+    return "nothing (no shape fits in memory)" if s is None else f"{s:.1f} ms"
+
+
+def afd_step(
+    model: ModelShape,
+    hw: HardwareProfile,
+    attention_devices: int,
+    ffn_devices: int,
+    microbatches: int,
+    batch: float,
+    context: float,
+) -> StepBreakdown:
+    """Predicted decode step of an AFD deployment, `batch` requests per attention device."""
+    b = batch / microbatches
+    ta = costs.attention_layer_time(model, hw, b, context)
+    rows_ffn = attention_devices * b
+    te_moe = costs.ffn_layer_time(model, hw, rows_ffn, ffn_devices)
+    te_dense = costs.ffn_layer_time(model, hw, rows_ffn, ffn_devices, dense=True)
+    latency, occupancy = costs.transfer_times(model, hw, b, attention_devices, ffn_devices)
+    dense, moe = model.num_dense_layers, model.num_moe_layers
+    makespan = step_time(
+        [ta] * model.num_layers,
+        [te_dense] * dense + [te_moe] * moe,
+        microbatches,
+        latency,
+        occupancy,
+    )
+    tc = latency + occupancy
+    stages = {
+        "attention": microbatches * ta,
+        "ffn": microbatches * te_moe,
+        "transfer": microbatches * occupancy,
+        "round trip": ta + te_moe + 2 * tc,
+    }
+    return StepBreakdown(
+        step_s=makespan + costs.step_extra_time(model, hw, batch),
+        forward_s=makespan,
+        attention_layer_s=ta,
+        ffn_layer_s=te_moe,
+        transfer_s=tc,
+        bound=max(stages, key=stages.get),
+    )
+
+
+def colocated_step(
+    model: ModelShape, hw: HardwareProfile, devices: int, batch: float, context: float
+) -> tuple[float, int]:
+    """(step seconds, micro-batches) of colocated EP over `devices`, `batch` per device."""
+    best = None
+    for m in (1, 2):
+        b = batch / m
+        ta = costs.attention_layer_time(model, hw, b, context)
+        te_moe = costs.ffn_layer_time(model, hw, devices * b, devices)
+        te_dense = costs.ffn_layer_time(model, hw, b, 1, dense=True)  # dense MLP replicated
+        tc = 0.0
+        if devices > 1:
+            lat, occ = costs.transfer_times(model, hw, b, devices, devices)
+            tc = lat + occ * (devices - 1) / devices  # the local share stays on the device
+        per_layer_moe = (
+            max(m * (ta + te_moe), ta + te_moe + 2 * tc) if m > 1 else ta + te_moe + 2 * tc
+        )
+        per_layer_dense = m * (ta + te_dense)
+        t = model.num_moe_layers * per_layer_moe + model.num_dense_layers * per_layer_dense
+        t += costs.step_extra_time(model, hw, batch)
+        if best is None or t < best[0]:
+            best = (t, m)
+    return best
+
+
+def _attention_memory(model: ModelShape, batch: int, context: float) -> float:
+    kv = batch * context * model.num_layers * model.kv_bytes_per_token_layer
+    return model.attention_params_total * model.weight_bytes + kv
+
+
+def _max_batch(fits, lo: int, step: int) -> int:
+    """Largest multiple of `step` in [lo, MAX_BATCH] with fits(b) true (fits is monotone:
+    true up to some b); 0 when even lo does not fit."""
+    if not fits(lo):
+        return 0
+    good, bad = lo, None
+    probe = lo
+    while bad is None:
+        probe *= 2
+        if probe > MAX_BATCH:
+            probe = MAX_BATCH
+            if fits(probe):
+                return probe
+            bad = probe
+        elif fits(probe):
+            good = probe
+        else:
+            bad = probe
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def plan(
+    model: ModelShape,
+    hw: HardwareProfile,
+    tpot_target_ms: float,
+    context: int,
+    max_devices: int = 128,
+    top: int = 10,
+) -> Plan:
+    if not tpot_target_ms > 0:
+        raise PlanInputError(f"tpot_target_ms={tpot_target_ms} must be > 0")
+    if not (isinstance(context, int) and context > 0):
+        raise PlanInputError(f"context={context!r} must be a positive integer (tokens)")
+    if not (isinstance(max_devices, int) and max_devices >= 2):
+        raise PlanInputError(f"max_devices={max_devices!r} must be an integer >= 2")
+    target = tpot_target_ms * 1e-3
+    # decode contexts grow during a request: plan at the given context (the worst case of
+    # a request that has reached it)
+    mem = hw.usable_memory_bytes
+    ffn_bytes = model.ffn_params_total * model.weight_bytes
+    result = Plan(model.name, hw.name, tpot_target_ms, context)
+    best_per_shape: list[Candidate] = []
+    fastest = None
+    for f in FFN_COUNTS:
+        if ffn_bytes / f > mem:
+            continue
+        for r in ATTENTION_COUNTS:
+            if r + f > max_devices:
+                break
+            for m in MICROBATCHES:
+                if _attention_memory(model, m, context) > mem:
+                    continue
+                first = afd_step(model, hw, r, f, m, m, context).step_s
+                fastest = first if fastest is None else min(fastest, first)
+
+                def fits(b, r=r, f=f, m=m):
+                    if _attention_memory(model, b, context) > mem:
+                        return False
+                    return afd_step(model, hw, r, f, m, b, context).step_s <= target
+
+                b = _max_batch(fits, m, m)
+                if not b:
+                    continue
+                bd = afd_step(model, hw, r, f, m, b, context)
+                best_per_shape.append(
+                    Candidate(
+                        r,
+                        f,
+                        m,
+                        b,
+                        bd.step_s * 1e3,
+                        r * b / bd.step_s / (r + f),
+                        bd,
+                    )
+                )
+    best_per_shape.sort(key=lambda c: -c.tokens_per_s_per_device)
+    result.candidates = best_per_shape[:top]
+    result.fastest_afd_tpot_ms = None if fastest is None else fastest * 1e3
+    colo, colo_fastest = [], None
+    n = 1
+    while n <= max_devices:
+        per_device = model.attention_params_total * model.weight_bytes + ffn_bytes / n
+        if per_device <= mem:
+            first = colocated_step(model, hw, n, 1, context)[0]
+            colo_fastest = first if colo_fastest is None else min(colo_fastest, first)
+
+            def fits(b, n=n, per_device=per_device):
+                kv = _attention_memory(model, b, context) - (
+                    model.attention_params_total * model.weight_bytes
+                )
+                if per_device + kv > mem:
+                    return False
+                return colocated_step(model, hw, n, b, context)[0] <= target
+
+            b = _max_batch(fits, 1, 1)
+            if b:
+                t, m = colocated_step(model, hw, n, b, context)
+                colo.append(Colocated(n, b, m, t * 1e3, b / t))
+        n *= 2
+    colo.sort(key=lambda c: -c.tokens_per_s_per_device)
+    result.colocated = colo[:top]
+    result.fastest_colocated_tpot_ms = None if colo_fastest is None else colo_fastest * 1e3
+    return result

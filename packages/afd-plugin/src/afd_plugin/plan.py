@@ -1,0 +1,99 @@
+"""`afd plan`: the best A:F shapes for a model on a hardware profile at a TPOT target.
+
+Exit status: 0 a plan was printed; 2 a bad input (named in the message); 3 the target
+cannot be met by any shape, AFD or colocated (said plainly, never relaxed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from afd_core.planner.hardware import PRESETS as HARDWARE_PRESETS
+from afd_core.planner.model_shape import PRESETS as MODEL_PRESETS
+
+EXIT_SLO_UNMET = 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(sorted(MODEL_PRESETS))}), an HF config.json, or a "
+        "checkpoint folder",
+    )
+    p.add_argument(
+        "--hardware",
+        required=True,
+        help=f"a preset ({', '.join([*sorted(HARDWARE_PRESETS), 'cpu'])}) or a .json/.toml "
+        "profile (e.g. written by `afd bench --save-profile`)",
+    )
+    p.add_argument("--tpot-ms", type=float, required=True, help="time per output token target")
+    p.add_argument("--context", type=int, required=True, help="context length in tokens")
+    p.add_argument("--max-devices", type=int, default=128, help="devices available (default 128)")
+    p.add_argument("--top", type=int, default=8, help="shapes to list (default 8)")
+    p.add_argument("--weight-bytes", type=float, help="bytes per weight (override the config)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    from afd_core.planner.errors import PlanInputError
+    from afd_core.planner.hardware import load_hardware
+    from afd_core.planner.model_shape import load_model
+    from afd_core.planner.search import plan
+
+    try:
+        model = load_model(args.model)
+        if args.weight_bytes is not None:
+            if not args.weight_bytes > 0:
+                raise PlanInputError(f"--weight-bytes={args.weight_bytes} must be > 0")
+            model = model.with_bytes(weight_bytes=args.weight_bytes)
+        hw = load_hardware(args.hardware)
+        if args.top < 1:
+            raise PlanInputError(f"--top={args.top} must be >= 1")
+        result = plan(model, hw, args.tpot_ms, args.context, args.max_devices, args.top)
+    except PlanInputError as exc:
+        print(f"afd plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(render(result, hw))
+    return 0 if result.slo_met else EXIT_SLO_UNMET
+
+
+def render(result, hw) -> str:
+    lines = [
+        f"{result.model} on {result.hardware} ({hw.source or 'custom profile'}), TPOT <= "
+        f"{result.tpot_target_ms:g} ms, context {result.context}",
+        "",
+        "AFD (A attention devices : F FFN devices, m micro-batches, B requests per attention device)",
+    ]
+    if result.candidates:
+        lines.append(
+            f"  {'shape':>8} {'m':>2} {'B':>6} {'TPOT ms':>8} {'tok/s/dev':>10} "
+            f"{'attn us':>8} {'ffn us':>8} {'xfer us':>8}  bound"
+        )
+        for c in result.candidates:
+            b = c.breakdown
+            lines.append(
+                f"  {c.shape:>8} {c.microbatches:>2} {c.batch_per_attention_device:>6} "
+                f"{c.tpot_ms:>8.1f} {c.tokens_per_s_per_device:>10.1f} "
+                f"{b.attention_layer_s * 1e6:>8.1f} {b.ffn_layer_s * 1e6:>8.1f} "
+                f"{b.transfer_s * 1e6:>8.1f}  {b.bound}"
+            )
+    else:
+        lines.append("  no shape meets the target")
+    lines += ["", "colocated expert parallel (N devices, B requests per device)"]
+    if result.colocated:
+        lines.append(f"  {'N':>8} {'m':>2} {'B':>6} {'TPOT ms':>8} {'tok/s/dev':>10}")
+        for c in result.colocated[:3]:
+            lines.append(
+                f"  {c.devices:>8} {c.microbatches:>2} {c.batch_per_device:>6} "
+                f"{c.tpot_ms:>8.1f} {c.tokens_per_s_per_device:>10.1f}"
+            )
+    else:
+        lines.append("  no colocated deployment meets the target")
+    lines += ["", result.verdict()]
+    return "\n".join(lines)
