@@ -130,6 +130,14 @@ def test_attention_layer_time_by_hand():
     assert costs.attention_layer_time(GQA, hw, 0, 10) == 0.0
 
 
+def test_without_overlap_memory_and_compute_times_add():
+    no_overlap = replace(UNIT_HW, compute_memory_overlap=0.0)
+    # the hand case above: bytes 336, flops 768
+    assert costs.attention_layer_time(GQA, no_overlap, 3, 10) == pytest.approx(1104e-9)
+    half = replace(UNIT_HW, compute_memory_overlap=0.5)
+    assert costs.attention_layer_time(GQA, half, 3, 10) == pytest.approx((768 + 168) * 1e-9)
+
+
 def test_expected_active_experts_by_hand():
     assert costs.expected_active_experts(4, 2, 1) == pytest.approx(2)
     assert costs.expected_active_experts(4, 2, 2) == pytest.approx(3)  # 4 (1 - 1/4)
@@ -217,10 +225,12 @@ def _faster(hw: HardwareProfile, field: str, factor: float) -> HardwareProfile:
     return replace(hw, **{field: getattr(hw, field) * factor})
 
 
+@pytest.mark.parametrize("overlap", [1.0, 0.0])
 @pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-235b-a22b", "glm-4.5"])
 @pytest.mark.parametrize("field", ["link_bandwidth_gbps", "memory_bandwidth_gbps", "matmul_tflops"])
-def test_a_faster_device_never_predicts_a_slower_step(model, field):
-    m, hw = PRESETS[model], HW_PRESETS["h200"]
+def test_a_faster_device_never_predicts_a_slower_step(model, field, overlap):
+    m = PRESETS[model]
+    hw = replace(HW_PRESETS["h200"], compute_memory_overlap=overlap)
     for r, f, mb, b in itertools.product((1, 4, 16), (1, 4), (1, 2, 3), (1, 64, 512)):
         slow = afd_step(m, hw, r, f, mb, b, 4096).step_s
         for factor in (1.5, 4, 100):
@@ -321,6 +331,7 @@ def test_negative_and_out_of_range_numbers_are_refused(tmp_path):
         ("link_latency_us", -1, "link_latency_us=-1 must be >= 0"),
         ("memory_bandwidth_gbps", 0, "memory_bandwidth_gbps=0 must be > 0"),
         ("matmul_efficiency", 1.5, r"matmul_efficiency=1.5 must be in \(0, 1\]"),
+        ("compute_memory_overlap", -0.1, r"compute_memory_overlap=-0.1 must be in \[0, 1\]"),
     ]:
         f.write_text(json.dumps(good | {field: value}))
         f = f.rename(tmp_path / "gpu.json")

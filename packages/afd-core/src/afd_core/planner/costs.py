@@ -1,7 +1,8 @@
 """Per-layer times of one micro-batch: attention, FFN, and one transfer between them.
 
 Each compute time is a fixed per-layer cost plus a roofline: max(bytes / memory rate,
-flops / matmul rate) (the linear `t = k1 * rows + k2` stage model of MegaScale-Infer and
+flops / matmul rate), or their sum where the profile says the two do not overlap (one CPU
+thread) (the linear `t = k1 * rows + k2` stage model of MegaScale-Infer and
 of the analytical-provisioning paper, with the slope taken from the hardware's rates).
 - attention: the layer's weights once, plus every row's KV cache over `context` tokens
 - FFN: the experts a micro-batch touches (expected distinct experts of n tokens routed
@@ -18,7 +19,10 @@ from afd_core.planner.model_shape import ModelShape
 
 
 def roofline(nbytes: float, flops: float, hw: HardwareProfile) -> float:
-    return max(nbytes / hw.bytes_per_s, flops / hw.flops_per_s)
+    """The memory and compute times combined: their max when they overlap fully (overlap
+    1), their sum when not at all (0)."""
+    memory, compute = nbytes / hw.bytes_per_s, flops / hw.flops_per_s
+    return max(memory, compute) + (1.0 - hw.compute_memory_overlap) * min(memory, compute)
 
 
 def attention_layer_time(

@@ -35,6 +35,9 @@ class HardwareProfile:
     # fixed time of one step outside the layers (embedding, LM head launch, sampling prep)
     step_overhead_us: float = 0.0
     usable_memory_fraction: float = 0.9  # of memory_gib, for weights + KV cache
+    # how much of a layer's weight reading hides behind its arithmetic: 1 = the roofline
+    # max(memory, compute) (a GPU's many warps); 0 = their sum (one CPU thread)
+    compute_memory_overlap: float = 1.0
     source: str = ""  # where the numbers come from
 
     def __post_init__(self):
@@ -55,6 +58,11 @@ class HardwareProfile:
             v = getattr(self, name)
             if not v > 0:
                 raise PlanInputError(f"hardware {self.name}: {name}={v} must be > 0")
+        if not 0 <= self.compute_memory_overlap <= 1:
+            raise PlanInputError(
+                f"hardware {self.name}: compute_memory_overlap={self.compute_memory_overlap} "
+                "must be in [0, 1]"
+            )
         for name in ("memory_efficiency", "matmul_efficiency", "usable_memory_fraction"):
             if getattr(self, name) > 1:
                 raise PlanInputError(
