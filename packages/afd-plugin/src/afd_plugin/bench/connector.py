@@ -3,8 +3,8 @@
 Two local processes: an "attention" side that sends h[rows, hidden] (bf16) and receives
 the reply into the same buffer, and an "FFN" side that echoes it. Each size is measured
 both ways, iteration by iteration interleaved (so machine noise hits both alike): the AFD
-connector's exchange (start_exchange(...).wait(); recv_attn_output + send_ffn_output on
-the FFN side) and raw torch.distributed gloo send/recv on a group of
+connector's exchange (start_exchange(...).wait(); recv_attn_output, a copy into an output
+buffer and send_ffn_output on the FFN side) and raw torch.distributed gloo send/recv on a group of
 its own. Also a whole one-layer step with its control message. A least-squares line
 through the AFD one-way times (round trip / 2) gives the link's latency and bandwidth.
 """
@@ -80,6 +80,11 @@ def _side(role, ports, raw_port, hiddens, rows_list, iters, q):
         for rows in rows_list:
             h = torch.randn(rows, hidden).to(torch.bfloat16)
             out = torch.empty_like(h)
+            # the FFN side answers from an output buffer of its own, as a layer's output is:
+            # echoing the receive buffer itself would make the connector copy it before
+            # sending (a ring buffer is reused by the next receive), a cost real m = 1
+            # steps do not pay
+            echo = torch.empty_like(h)
             raw_t, afd_t = [], []
             # the AFD side is one step (one control message) of iters + WARMUP layers
             if is_ffn:
@@ -91,7 +96,8 @@ def _side(role, ports, raw_port, hiddens, rows_list, iters, q):
                     raw.recv([h], peer, 0).wait()
                     raw.send([h], peer, 0).wait()
                     b = conn.recv_attn_output(i)
-                    conn.send_ffn_output(b.hidden_states, i)
+                    echo.copy_(b.hidden_states)
+                    conn.send_ffn_output(echo, i)
                     continue
                 t0 = time.perf_counter()
                 raw.send([h], peer, 0).wait()
