@@ -197,9 +197,14 @@ def colocated_step(
     return best
 
 
+def _kv_cache_bytes(model: ModelShape, batch: int, context: float) -> float:
+    return batch * context * model.num_layers * model.kv_bytes_per_token_layer
+
+
 def _attention_memory(model: ModelShape, batch: int, context: float) -> float:
-    kv = batch * context * model.num_layers * model.kv_bytes_per_token_layer
-    return model.attention_params_total * model.weight_bytes + kv
+    return model.attention_params_total * model.weight_bytes + _kv_cache_bytes(
+        model, batch, context
+    )
 
 
 def _max_batch(fits, lo: int, step: int) -> int:
@@ -297,10 +302,7 @@ def plan(
             colo_fastest = first if colo_fastest is None else min(colo_fastest, first)
 
             def fits(b, n=n, per_device=per_device):
-                kv = _attention_memory(model, b, context) - (
-                    model.attention_params_total * model.weight_bytes
-                )
-                if per_device + kv > mem:
+                if per_device + _kv_cache_bytes(model, b, context) > mem:
                     return False
                 return colocated_step(model, hw, n, b, context)[0] <= target
 
