@@ -10,6 +10,7 @@ CORE_PATCHES = (
     "async_dp_engine",
     "async_dp_forward_context",
     "config_validation",
+    "cpu_dp_collectives",
     "engine_core",
     "step_failure",
 )

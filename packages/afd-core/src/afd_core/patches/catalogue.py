@@ -47,7 +47,8 @@ def replace_attr(owner: Any, name: str, new: Any) -> Any:
         key = (id(owner), name)
         if key in _originals:  # already patched in this process
             return _originals[key]
-        orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        own = isinstance(owner, type) and name in owner.__dict__  # else inherited
+        orig = owner.__dict__[name] if own else getattr(owner, name)
         _originals[key] = orig
         setattr(owner, name, new)
         return orig
@@ -79,7 +80,8 @@ def original(owner: Any, name: str) -> Any:
         key = (id(owner), name)
         if key in _originals:
             return _originals[key]
-    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    own = isinstance(owner, type) and name in owner.__dict__
+    return owner.__dict__[name] if own else getattr(owner, name)
 
 
 def is_patched(owner: Any, name: str) -> bool:
