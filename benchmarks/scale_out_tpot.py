@@ -1,18 +1,23 @@
-"""Time per output token of 2A deployments with one FFN rank, one FFN rank over TP 2, and two
-FFN replicas, against a colocated server; in one run, on one model.
+"""Time per output token of 2A deployments with one FFN rank, one FFN rank over TP 2, two
+FFN replicas, and two FFN ranks as one expert group, against a colocated server; in one run,
+on one model.
 
 Qwen3-MoE hidden 1024, 16 experts top-2, 4 layers, fp32, random weights. The attention side
 is one server with two data-parallel ranks (attention ranks 0 and 1) in every deployment;
 the FFN side is (1) one FFN server, (2) one FFN server with --tensor-parallel-size 2, or
-(3) two FFN servers (FFN rank k serves attention rank k). Each measurement is one batch of
+(3) two FFN servers (FFN rank k serves attention rank k), or (4) one FFN server with
+--data-parallel-size 2 (FFN ranks 0 and 1 run the MoE layers as one expert group: vLLM's
+data-parallel MoE, experts sharded over both). Each measurement is one batch of
 B requests (the scheduler is paused while they are added): time per output token =
 (t(N + 8 tokens) - t(8 tokens)) / N. From the AFD_STEP_TRACE timelines: the median FFN
-compute per layer (TP rank 0 of FFN rank 0; with TP 2 it includes the TP all-reduce).
+compute per layer (TP rank 0 of FFN rank 0; with TP 2 it includes the TP all-reduce, in the
+expert group the all-gather and reduce-scatter of the rows).
 
 All servers share this machine's cores: it shows what the code does, not what separate
 devices would give (see the README).
 
     uv run --no-sync python benchmarks/scale_out_tpot.py [--batch 16] [--tokens 32] [--reps 2]
+        [--shapes one,tp2,replicas,group]
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main() -> int:
         Server,
         ServerSpec,
         free_port,
+        local_deployment,
         running,
         scale_out_deployment,
     )
@@ -57,7 +63,18 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--shapes", default="one,tp2,replicas,group", help="which deployments")
     a = ap.parse_args()
+    shapes = {
+        "one": ("2A, 1 FFN rank", [1]),
+        "tp2": ("2A, 1 FFN rank over TP 2", [2]),
+        "replicas": ("2A, 2 FFN replicas", [1, 1]),
+        "group": ("2A, 2 FFN ranks, 1 group", "group"),
+    }
+    keys = ["one", *(k for k in a.shapes.split(",") if k != "one")]  # one: the baseline
+    for key in keys:
+        if key not in shapes:
+            ap.error(f"--shapes: {key!r} is unknown; allowed: {', '.join(shapes)}")
     spec = BENCHMARK_MOE
     model = str(tiny_checkpoint(spec))
     logs = Path(tempfile.mkdtemp(prefix="afd-scale-out-"))
@@ -77,16 +94,17 @@ def main() -> int:
     with running([colo], timeout=600):
         batch_seconds(colo.url, 4, 4)
         results["colocated"] = (statistics.median(tpot(colo.url) for _ in range(a.reps)), None)
-    shapes = {
-        "2A, 1 FFN rank": [1],
-        "2A, 1 FFN rank over TP 2": [2],
-        "2A, 2 FFN replicas": [1, 1],
-    }
-    for name, ffn in shapes.items():
+    for key in keys:
+        name, ffn = shapes[key]
         trace = str(logs / f"trace-{len(results)}")
-        servers = scale_out_deployment(
-            model, logs, attention=[2], ffn=ffn, env={"AFD_STEP_TRACE": trace, **dev}, tag=f"{ffn}-"
-        )
+        env = {"AFD_STEP_TRACE": trace, **dev}
+        if ffn == "group":
+            d = local_deployment(model, logs, attention_ranks=2, ffn_ranks=2, env=env, tag="group-")
+            servers = [d["ffn"], d["attention"]]
+        else:
+            servers = scale_out_deployment(
+                model, logs, attention=[2], ffn=ffn, env=env, tag=f"{ffn}-"
+            )
         for s in servers:
             s.spec.extra_args += common
         with running(servers, timeout=900):

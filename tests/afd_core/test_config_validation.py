@@ -44,6 +44,19 @@ def test_a_server_may_hold_some_ranks_of_a_role(engine_config):
         assert engine_config(afd).parallel_config.worker_cls.endswith(f"AFDCPU{role}Worker")
 
 
+def test_an_ffn_server_with_data_parallelism_is_an_expert_group_of_ffn_ranks(engine_config):
+    cfg = engine_config(
+        {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2}, data_parallel_size=2
+    )
+    assert cfg.parallel_config.worker_cls.endswith("AFDCPUFFNWorker")
+    assert cfg.parallel_config.data_parallel_size == 2
+
+
+def test_each_tensor_parallel_rank_of_an_attention_server_is_an_attention_rank(engine_config):
+    cfg = engine_config({"role": "attention", "num_attention_ranks": 2}, tensor_parallel_size=2)
+    assert cfg.parallel_config.worker_cls.endswith("AFDCPUAttentionWorker")
+
+
 def test_no_afd_key_changes_nothing(engine_config):
     assert engine_config().parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
 
@@ -72,9 +85,21 @@ def test_explicit_mismatching_worker_names_both(engine_config):
             r"allowed: 0..1",
         ),
         (
-            {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2},
+            {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2, "start_rank": 1},
             {"data_parallel_size": 2},
-            r"an FFN server with --data-parallel-size=2 .*afd.start_rank",
+            r"runs --data-parallel-size=2 FFN ranks 1..2, but the deployment has "
+            r"num_ffn_ranks=2",
+        ),
+        (
+            {"role": "ffn", "num_ffn_ranks": 4, "num_attention_ranks": 4},
+            {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            r"--data-parallel-size=2 and --tensor-parallel-size=2 is not supported; allowed: "
+            r"--tensor-parallel-size 1",
+        ),
+        (
+            {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2},
+            {"data_parallel_size": 2, "enable_expert_parallel": True},
+            r"--enable-expert-parallel on an FFN server is not supported on CPU.*segfault",
         ),
         (
             {"role": "attention", "num_attention_ranks": 2, "start_rank": 1},
@@ -143,9 +168,10 @@ def test_microbatches_are_resolved_for_afd_and_vllm_dbo_stays_off(engine_config,
             r"speculative decoding .*method 'ngram'.* not supported yet",
         ),
         (
-            {"role": "attention", "num_attention_ranks": 2},
+            {"role": "attention"},
             {"tensor_parallel_size": 2},
-            r"--tensor-parallel-size=2 is not supported yet.*2 times",
+            r"runs 2 workers \(data parallel 1 x tensor parallel 2\) as attention ranks 0..1, "
+            r"but the deployment has num_attention_ranks=1",
         ),
     ],
 )

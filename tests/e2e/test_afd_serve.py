@@ -1,8 +1,9 @@
 """Real `vllm serve` processes: AFD gives exactly the tokens the colocated server gives,
 with and without micro-batches (DBO), and survives a failed step.
 
-Per architecture: a colocated server with a 1 attention : 1 FFN deployment, then a 2A1F one
-(one attention server with two data-parallel ranks, one FFN server); each deployment is
+Per architecture: a colocated server with a 1 attention : 1 FFN deployment, then one
+attention server with two data-parallel ranks and one FFN server (2A1F for DeepSeek-V2;
+2A2F for Qwen3-MoE, its FFN server's two data-parallel ranks one expert group); each deployment is
 started once and answers several tests. fp32 greedy. The attention servers start
 DBO-capable and change m at run time through vLLM's dev endpoint, so one deployment answers
 m = 1, 2 and 4.
@@ -60,11 +61,12 @@ pytestmark = pytest.mark.e2e
 STEP_TIMEOUT_S = 30  # connector timeout_s: a hang would fail within this
 
 
-def afd_pair(model, arch, log_dir, tag, dp=1, env=None):
+def afd_pair(model, arch, log_dir, tag, dp=1, env=None, ffn_ranks=1):
     d = local_deployment(
         model,
         log_dir,
         attention_ranks=dp,
+        ffn_ranks=ffn_ranks,
         attention_backend=BACKENDS[arch],
         attention_args=DBO_ARGS,
         env={**DEV_MODE, **(env or {})},
@@ -249,10 +251,16 @@ def test_dead_ffn_fails_the_request_at_once_and_names_the_peer(one_to_one):
     assert "closed the connection" in log, d.att.log_tail(60)
 
 
+# DeepSeek-V2: 2A1F. Qwen3-MoE: 2A2F, the FFN server's two data-parallel ranks running the
+# MoE layers as one expert group (vLLM's DP MoE: experts sharded over both FFN ranks)
+FFN_RANKS = {"deepseek_v2": 1, "qwen3_moe": 2}
+
+
 @pytest.mark.parametrize("arch", list(BACKENDS))
-def test_2a1f_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
+def test_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
     model = str(checkpoints(arch))
-    ffn, att = afd_pair(model, arch, log_dir, "2a1f", dp=2)
+    f = FFN_RANKS[arch]
+    ffn, att = afd_pair(model, arch, log_dir, f"2a{f}f", dp=2, ffn_ranks=f)
     servers = [ffn, att]
     if arch not in _ALONE:  # run alone: start the colocated reference alongside
         servers.insert(0, colocated_server(model, arch, log_dir))
@@ -267,3 +275,12 @@ def test_2a1f_data_parallel_attention_with_microbatches(arch, checkpoints, log_d
         for m in (2, 4):
             set_m(att, m)
             assert_same(_ALONE[arch], run_batch(att.url))
+        if f > 1:
+            # three requests: one attention rank splits its two, the other runs its one
+            # unsplit, so one FFN rank computes the second micro-batch with no rows of its own
+            set_m(att, 2)
+            assert_same(_ALONE[arch][:3], run_batch(att.url, PROMPTS[:3]), PROMPTS[:3])
+            stats = rpc(ffn.url, "afd_step_stats")[0]  # FFN rank 0 (vLLM answers for one)
+            assert stats["group_steps"] == stats["steps"] > 0 and stats["failed"] == 0, stats
+            # FFN rank 0 counts it for the group, whichever member had no rows
+            assert stats["group_zero_row_microbatches"] > 0, stats

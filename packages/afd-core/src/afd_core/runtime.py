@@ -1,7 +1,8 @@
 """Process-local AFD state shared by a role worker and the model it runs.
 
-The attention worker installs its connector here; the model's FFN proxies (built inside
-vLLM's model loader, which knows nothing of AFD) find it here at forward time.
+The attention worker installs its connector here (and, over tensor parallel, its TP rank's
+sequence split); the model's FFN proxies (built inside vLLM's model loader, which knows
+nothing of AFD) find them here at forward time.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from afd_core.connectors.base import AFDConnector
+    from afd_core.step.sequence_split import SequenceSplit
 
 _lock = threading.Lock()
 _connector: AFDConnector | None = None
+_split: SequenceSplit | None = None
 
 
 def install_connector(connector: AFDConnector | None) -> None:
@@ -30,3 +33,14 @@ def active_connector() -> AFDConnector:
             "worker (start vLLM with --additional-config '{\"afd\": {...}}' and worker class auto)"
         )
     return conn
+
+
+def install_sequence_split(split: SequenceSplit | None) -> None:
+    global _split
+    with _lock:
+        _split = split
+
+
+def active_sequence_split() -> SequenceSplit | None:
+    """This attention TP rank's share of the rows; None without tensor parallelism."""
+    return _split

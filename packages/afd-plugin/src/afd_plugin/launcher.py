@@ -97,6 +97,8 @@ def local_deployment(
     log_dir: Path,
     *,
     attention_ranks: int = 1,
+    attention_tensor_parallel: int = 1,
+    ffn_ranks: int = 1,
     attention_backend: str | None = None,
     baseline: bool = False,
     afd_extra: dict | None = None,
@@ -104,18 +106,19 @@ def local_deployment(
     env: dict[str, str] | None = None,
     tag: str = "",
 ) -> dict[str, Server]:
-    """Servers of a one-host AFD deployment (attention data parallel = attention_ranks, one
-    FFN rank), plus a colocated baseline if asked; not started yet. `attention_args` go to
-    the attention server only (e.g. --enable-dbo), `env` to every server."""
-    afd = {"port": free_port(), "num_attention_ranks": attention_ranks, "num_ffn_ranks": 1}
+    """Servers of a one-host AFD deployment: one attention server (data parallel =
+    attention_ranks, tensor parallel = attention_tensor_parallel: each TP rank is an
+    attention rank that exchanges its share of the rows) and one FFN server (data parallel = ffn_ranks: FFN ranks that run the
+    MoE layers as one expert group), plus a colocated baseline if asked; not started yet.
+    `attention_args` go to the attention server only (e.g. --enable-dbo), `env` to every
+    server."""
+    afd = {
+        "port": free_port(),
+        "num_attention_ranks": attention_ranks * attention_tensor_parallel,
+        "num_ffn_ranks": ffn_ranks,
+    }
     afd |= afd_extra or {}
     env = env or {}
-    attention_env = {**SHARED_CORES, **env}
-    if attention_ranks > 1:  # one core per data-parallel rank, round robin over two
-        attention_env = {
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % 2) for i in range(attention_ranks)),
-            **env,
-        }
     servers = {}
     if baseline:
         servers["colocated"] = Server(
@@ -135,7 +138,8 @@ def local_deployment(
             free_port(),
             afd={**afd, "role": "ffn"},
             attention_backend=attention_backend,
-            env={**SHARED_CORES, **env},
+            data_parallel_size=ffn_ranks,
+            env=_cores(ffn_ranks, env),
         ),
         log_dir,
     )
@@ -147,7 +151,8 @@ def local_deployment(
             afd={**afd, "role": "attention"},
             attention_backend=attention_backend,
             data_parallel_size=attention_ranks,
-            env=attention_env,
+            tensor_parallel_size=attention_tensor_parallel,
+            env=_cores(attention_ranks * attention_tensor_parallel, env),
             extra_args=list(attention_args or []),
         ),
         log_dir,

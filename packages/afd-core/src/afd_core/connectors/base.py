@@ -134,6 +134,11 @@ class AFDConnector(ABC):
         """Block until every attention peer announced its next step (or left)."""
 
     @abstractmethod
+    def peer_servers(self) -> list[int]:
+        """After init: the attention server of each peer (peers of one server step
+        together)."""
+
+    @abstractmethod
     def post_attn_output(self, layer: int, microbatch: int = 0):
         """Post the receives of one layer/micro-batch; returns a pending batch whose
         `wait()` returns the FFNBatch."""

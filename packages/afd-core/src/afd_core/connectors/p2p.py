@@ -752,6 +752,11 @@ class PointToPointConnector(AFDConnector):
             f"{self._me()} waiting for the next step from attention rank {self.peers[i]}: {exc}"
         )
 
+    def peer_servers(self) -> list[int]:
+        """FFN side, after init: the attention server (its first rank) of each peer."""
+        self._require("ffn")
+        return list(self._peer_server)
+
     @property
     def all_peers_left(self) -> bool:
         return not any(self._active_peers)

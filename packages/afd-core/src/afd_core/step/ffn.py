@@ -9,6 +9,11 @@ A compute failure fails the step, not the deployment: the rest of the step is an
 zeros and the status message tells every peer which layer failed (unless compute raises
 AFDPeerError: then the rank cannot go on, e.g. its tensor-parallel group broke). A transport or protocol
 failure stops the FFN rank after telling its peers why.
+
+In an expert group (afd_core.step.expert_group) the group agrees on each step's
+micro-batches first, and every member computes every (layer, micro-batch) that has rows on
+any member, with zero rows of its own if need be: the MoE's collectives need all of them.
+A compute failure there stops the rank (the others may be inside a collective).
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import contextlib
 import threading
 from collections.abc import Callable
 
-from afd_core.connectors.base import AFDConnector, AFDPeerError
+from afd_core.connectors.base import AFDConnector, AFDPeerError, FFNBatch
 from afd_core.connectors.status import StatusCode, StepStatus
 from afd_core.log import get_logger
+from afd_core.step.expert_group import ExpertGroup, GroupStep
 from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
 
-# compute(layer, hidden_states, router_logits, token_ids) -> output rows
+# compute(layer, hidden_states, router_logits, token_ids[, group_rows]) -> output rows;
+# group_rows (an expert group's rows per member) only when the server has a group
 Compute = Callable[..., object]
 
 
@@ -35,12 +42,15 @@ class FFNStepServer:
         layers: list[int],
         compute: Compute,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        group: ExpertGroup | None = None,
     ):
         self.connector = connector
+        self.group = group
         self.layers = list(layers)
         self.compute = compute
         self.forward_context = forward_context
         self.steps = 0  # steps served
+        self.rows = 0  # rows received per layer, over all steps and peers
         self.failed_steps = 0
         self.trace = trace_for("ffn", connector.role_rank)
 
@@ -53,49 +63,103 @@ class FFNStepServer:
         if conn.all_peers_left:
             return False
         t_step = now()
-        order = [(layer, mb) for layer in self.layers for mb in range(plan.num_microbatches)]
+        agreed = self.group.agree(plan) if self.group is not None else None
+        n_mb = agreed.num_microbatches if agreed is not None else plan.num_microbatches
+        # the receives this rank posts: a member of a group may compute micro-batches its
+        # own peers did not announce (zero rows, nothing moves)
+        posted = [(layer, mb) for layer in self.layers for mb in range(plan.num_microbatches)]
         failure: StepStatus | None = None
         with torch.inference_mode(), self.forward_context():
-            pending = conn.post_attn_output(*order[0]) if order else None
-            for k, (layer, mb) in enumerate(order):
-                batch = pending.wait()
-                if k + 1 < len(order):  # lands in the other buffer while this one computes
-                    pending = conn.post_attn_output(*order[k + 1])
-                rows = batch.hidden_states
-                if rows.shape[0] == 0:
-                    out = rows
-                elif failure is not None:
-                    out = torch.zeros_like(rows)
-                else:
-                    try:
-                        t0 = now()
-                        out = self.compute(layer, rows, batch.router_logits, batch.token_ids)
-                        self.trace.add("compute", t0, now())
-                    except AFDPeerError:
-                        raise  # the rank cannot stay in step (e.g. its TP group broke)
-                    except Exception as exc:  # noqa: BLE001 - reported to every peer
-                        failure = StepStatus(
-                            plan.step,
-                            StatusCode.STEP_FAILED,
-                            layer,
-                            mb,
-                            conn.role_rank,
-                            f"{type(exc).__name__}: {exc}",
-                        )
-                        logger.error(
-                            "AFD FFN rank %d: %s failed; the step is answered with zeros and "
-                            "its requests fail on the attention side",
-                            conn.role_rank,
-                            failure.where(),
-                            exc_info=True,
-                        )
-                        out = torch.zeros_like(rows)
-                conn.send_ffn_output(out, layer, mb)
+            pending = conn.post_attn_output(*posted[0]) if posted else None
+            k = 0
+            for layer in self.layers:
+                for mb in range(n_mb):
+                    if mb >= plan.num_microbatches:
+                        self._compute_in_group(agreed, layer, mb, self._no_rows())
+                        continue
+                    batch = pending.wait()
+                    k += 1
+                    if k < len(posted):  # lands in the other buffer while this one computes
+                        pending = conn.post_attn_output(*posted[k])
+                    if agreed is not None:
+                        out = self._compute_in_group(agreed, layer, mb, batch)
+                    else:
+                        out, failure = self._compute(plan.step, layer, mb, batch, failure)
+                    conn.send_ffn_output(out, layer, mb)
         conn.finish_step(failure)
+        self.rows += sum(sum(rows) for rows in plan.rows)
         self.trace.add("step", t_step, now())
         self.steps += 1
         self.failed_steps += failure is not None
         return True
+
+    def _compute(self, step: int, layer: int, mb: int, batch: FFNBatch, failure):
+        """One layer/micro-batch of this rank alone: (output rows, the step's failure)."""
+        import torch
+
+        rows = batch.hidden_states
+        if rows.shape[0] == 0:
+            return rows, failure
+        if failure is not None:
+            return torch.zeros_like(rows), failure
+        try:
+            t0 = now()
+            out = self.compute(layer, rows, batch.router_logits, batch.token_ids)
+            self.trace.add("compute", t0, now())
+            return out, None
+        except AFDPeerError:
+            raise  # the rank cannot stay in step (e.g. its TP group broke)
+        except Exception as exc:  # noqa: BLE001 - reported to every peer
+            failure = StepStatus(
+                step,
+                StatusCode.STEP_FAILED,
+                layer,
+                mb,
+                self.connector.role_rank,
+                f"{type(exc).__name__}: {exc}",
+            )
+            logger.error(
+                "AFD FFN rank %d: %s failed; the step is answered with zeros and "
+                "its requests fail on the attention side",
+                self.connector.role_rank,
+                failure.where(),
+                exc_info=True,
+            )
+            return torch.zeros_like(rows), failure
+
+    def _compute_in_group(self, agreed: GroupStep, layer: int, mb: int, batch: FFNBatch):
+        """One layer/micro-batch with the expert group: computed whenever any member has
+        rows, so every member enters the MoE's collectives."""
+        rows = batch.hidden_states
+        if agreed.total(mb) == 0:
+            return rows
+        try:
+            t0 = now()
+            out = self.compute(
+                layer, rows, batch.router_logits, batch.token_ids, group_rows=agreed.rows[mb]
+            )
+            self.trace.add("compute", t0, now())
+            return out
+        except AFDPeerError:
+            raise
+        except Exception as exc:
+            raise AFDPeerError(
+                f"FFN rank {self.connector.role_rank}: layer {layer} micro-batch {mb} failed "
+                f"({type(exc).__name__}: {exc}); its expert group (FFN ranks "
+                f"{self.group.first_ffn_rank}..{self.group.first_ffn_rank + self.group.size - 1}"
+                ") cannot stay in step, the FFN server stops"
+            ) from exc
+
+    def _no_rows(self) -> FFNBatch:
+        import torch
+
+        wire = self.connector.wire
+        return FFNBatch(
+            torch.empty(0, wire.hidden_size, dtype=getattr(torch, wire.dtype)),
+            torch.empty(0, wire.router_width, dtype=torch.float32) if wire.router_width else None,
+            (),
+            torch.empty(0, dtype=torch.int64) if wire.token_ids else None,
+        )
 
     def serve(self, stop: threading.Event) -> None:
         """Serve until every peer left or `stop` is set. On a transport or protocol error,

@@ -24,6 +24,7 @@ from afd_core.connectors.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.attention import AttentionStepDriver
 from afd_core.step.microbatch import MicrobatchExecutor
+from afd_core.step.sequence_split import SequenceSplit
 from afd_core.step.split import MicrobatchSlice, SplitPolicy
 
 logger = get_logger(__name__)
@@ -47,10 +48,16 @@ class StepStats:
     # real steps by number of micro-batches; rows of the last split step
     by_microbatches: Counter = field(default_factory=Counter)
     last_split_rows: tuple[int, ...] = ()
+    # real steps: tokens forwarded, and rows this rank exchanged per layer (its share of
+    # them over attention tensor parallel)
+    tokens: int = 0
+    rows: int = 0
 
     def as_dict(self) -> dict:
         return {
             "steps": self.steps,
+            "tokens": self.tokens,
+            "rows": self.rows,
             "failed": self.failed,
             "by_kind": {k.name.lower(): n for k, n in self.by_kind.items()},
             "by_microbatches": {str(m): n for m, n in sorted(self.by_microbatches.items())},
@@ -68,8 +75,11 @@ class AttentionStepEngine:
         vllm_config,
         policy: SplitPolicy,
         max_microbatches: int = 1,
+        sequence_split: SequenceSplit | None = None,
     ):
         self.vllm_config = vllm_config
+        # over attention tensor parallel: this TP rank announces (and sends) its share
+        self.sequence_split = sequence_split
         self.policy = policy
         # vLLM built this many attention-metadata builders per attention group
         self.max_microbatches = max_microbatches
@@ -124,7 +134,7 @@ class AttentionStepEngine:
         fail, self._fail_next = (self._fail_next, None) if kind is StepKind.REAL else (None, None)
         if split:
             slices = _cover(plan, num_tokens)
-            rows = tuple(s.num_tokens for s in slices)
+            rows = tuple(self._rows(s.num_tokens) for s in slices)
             self._contexts = [
                 _microbatch_context(ctx, self.vllm_config, i, s) for i, s in enumerate(slices)
             ]
@@ -135,7 +145,7 @@ class AttentionStepEngine:
                 for i, s in enumerate(slices)
             ]
         else:
-            rows = (num_tokens,)
+            rows = (self._rows(num_tokens),)
             jobs = [_Job(model, (args, kwargs), None, fail)]
         try:
             results = self.driver.run(rows, jobs, flags=kind.value)
@@ -152,11 +162,17 @@ class AttentionStepEngine:
             self.stats.by_kind[kind] += 1
             if kind is StepKind.REAL:
                 self.stats.by_microbatches[len(rows)] += 1
+                self.stats.tokens += num_tokens
+                self.stats.rows += sum(rows)
                 if split:
                     self.stats.last_split_rows = rows
         if not split:
             return results[0]
         return _concat(results)
+
+    def _rows(self, num_tokens: int) -> int:
+        split = self.sequence_split
+        return num_tokens if split is None else split.rows(num_tokens)
 
     def close(self) -> None:
         self.driver.close()

@@ -4,7 +4,9 @@
 the step wrapper (afd_core.step.wrapper) in place of the runner's model, so every forward
 (real steps, DP dummy batches, profiling runs) is one AFD step, micro-batched when the
 runner planned it.
-`FFNRole`: builds the connector and serves steps in a thread (afd_core.step.ffn).
+`FFNRole`: builds the connector and serves steps in a thread (afd_core.step.ffn); the
+FFN ranks of one server with data parallelism form an expert group
+(afd_core.step.expert_group).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from afd_core.connectors.factory import build_connector
 from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.registration import assert_steps_ok_for
-from afd_core.runtime import install_connector
+from afd_core.runtime import install_connector, install_sequence_split
+from afd_core.step.expert_group import ExpertGroup, expert_group_name
 from afd_core.step.ffn import FFNStepServer
 from afd_core.step.ffn_tp import TensorParallelFollower, TensorParallelLeader, tp_group_name
+from afd_core.step.sequence_split import SequenceSplit
 from afd_core.step.split import SplitPolicy
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
 
@@ -33,8 +37,8 @@ logger = get_logger(__name__)
 
 def role_rank(vllm_config, afd, tp_rank: int) -> int:
     """This worker's rank in its role. Attention: every worker is one, numbered from the
-    server's start_rank by (DP index) * TP size + TP rank. FFN: the server is one FFN rank
-    (start_rank); its tensor-parallel workers shard it."""
+    server's start_rank by (DP index) * TP size + TP rank. FFN: each DP rank of the server
+    is one FFN rank (start_rank + DP index); its tensor-parallel workers shard it."""
     pc = vllm_config.parallel_config
     if afd.is_ffn:
         return afd.start_rank + pc.data_parallel_index
@@ -126,18 +130,34 @@ class AttentionRole(_Role):
         model = runner.model
         self._connect(model)
         install_connector(self.connector)
+        split = self._sequence_split()
+        install_sequence_split(split)
         self.engine = AttentionStepEngine(
             self.connector,
             self.vllm_config,
             split_policy(self.vllm_config, self.config),
             max_microbatches=max_microbatches,
+            sequence_split=split,
         )
         runner.model = AFDStepWrapper(model, self.engine)
         runner.afd_engine = self.engine
 
+    def _sequence_split(self) -> SequenceSplit | None:
+        """Over tensor parallel: this TP rank's share of every step's rows, and the TP
+        group's all-gather that brings the outputs back (afd_core.step.sequence_split)."""
+        size = self.vllm_config.parallel_config.tensor_parallel_size
+        if size == 1:
+            return None
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return SequenceSplit(
+            self.tp_rank, size, lambda t: tensor_model_parallel_all_gather(t, dim=0)
+        )
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        install_sequence_split(None)
         if self.connector is not None:
             install_connector(None)
             self.connector.close()
@@ -145,11 +165,17 @@ class AttentionRole(_Role):
 
 class FFNRole(_Role):
     """Serves the FFN half of every layer for this rank's attention peers. On an FFN server
-    with tensor parallelism, TP rank 0 serves and the others follow (afd_core.step.ffn_tp)."""
+    with tensor parallelism, TP rank 0 serves and the others follow (afd_core.step.ffn_tp);
+    with data parallelism, each DP rank is an FFN rank and they run the MoE layers as one
+    expert group (afd_core.step.expert_group)."""
 
     def __init__(self, vllm_config, tp_rank: int):
         super().__init__(vllm_config, tp_rank)
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        self.dp_size = pc.data_parallel_size
+        self.dp_rank = pc.data_parallel_index
+        self.group: ExpertGroup | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.server: FFNStepServer | None = None
@@ -172,22 +198,46 @@ class FFNRole(_Role):
         self.connector.init()
         if self.tp_size > 1:
             self.tp_leader = TensorParallelLeader(self._tp_transport(), self.tp_size, self.rank)
+        if self.dp_size > 1:
+            self.group = self._join_expert_group()
         self.server = FFNStepServer(
-            self.connector, model.ffn_layer_indices(), self._compute, forward_context
+            self.connector, model.ffn_layer_indices(), self._compute, forward_context, self.group
         )
 
-    def _tp_transport(self):
-        # a follower waits for its leader, whose start-up waits for the attention peers
-        transport = self.connector.make_side_transport(
-            tp_group_name(self.rank), self.tp_rank, self.tp_size, connect_scale=2.0
-        )
+    def _side_transport(self, name: str, rank: int, size: int, what: str):
+        # a member may wait for another, whose start-up waits for its attention peers
+        transport = self.connector.make_side_transport(name, rank, size, connect_scale=2.0)
         try:
             transport.connect()
         except TransportError as exc:
-            raise AFDPeerError(
-                f"FFN rank {self.rank} TP rank {self.tp_rank}: tensor-parallel group: {exc}"
-            ) from None
+            raise AFDPeerError(f"FFN rank {self.rank}: {what}: {exc}") from None
         return transport
+
+    def _tp_transport(self):
+        return self._side_transport(
+            tp_group_name(self.rank),
+            self.tp_rank,
+            self.tp_size,
+            f"TP rank {self.tp_rank}: tensor-parallel group",
+        )
+
+    def _join_expert_group(self) -> ExpertGroup:
+        first = self.rank - self.dp_rank
+        group = ExpertGroup(
+            self._side_transport(
+                expert_group_name(first), self.dp_rank, self.dp_size, "expert group"
+            ),
+            self.dp_rank,
+            self.dp_size,
+            first,
+        )
+        try:
+            group.check_peers(self.connector.peer_servers())
+        except AFDPeerError as exc:
+            self.connector.abort(str(exc))  # the attention peers stop with the reason too
+            group.close()
+            raise
+        return group
 
     def _join_as_follower(self, wire) -> None:
         import torch
@@ -202,11 +252,13 @@ class FFNRole(_Role):
             wire.token_ids,
         )
 
-    def _compute(self, layer: int, hidden_states, router_logits, token_ids=None):
+    def _compute(self, layer: int, hidden_states, router_logits, token_ids=None, group_rows=None):
         if self._fail_next is not None and self._fail_next[0] == layer:
             _, reason = self._fail_next
             self._fail_next = None
             raise RuntimeError(f"injected FFN step failure ({reason})")
+        if group_rows is not None:
+            self._set_group_rows(hidden_states.shape[0], group_rows)
         if self.tp_leader is None:
             return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
         self.tp_leader.share(layer, hidden_states, router_logits, token_ids)
@@ -220,6 +272,17 @@ class FFNRole(_Role):
                 f"tensor-parallel group started it ({type(exc).__name__}: {exc}); the group "
                 "cannot stay in step, the FFN server stops"
             ) from exc
+
+    def _set_group_rows(self, rows: int, group_rows) -> None:
+        """vLLM's DP metadata for this layer/micro-batch: the rows of every member, which
+        its MoE layers gather and scatter back."""
+        import torch
+        from vllm.forward_context import DPMetadata, get_forward_context
+
+        across = torch.tensor(group_rows, dtype=torch.int32)
+        get_forward_context().dp_metadata = DPMetadata.make(
+            self.vllm_config.parallel_config, rows, across
+        )
 
     def _follow(self, layer: int, hidden_states, router_logits, token_ids) -> None:
         with self.forward_context():
@@ -238,11 +301,18 @@ class FFNRole(_Role):
         followed in its tensor-parallel group."""
         out = {"rank": self.rank, "tp_rank": self.tp_rank}
         if self.server is not None:
-            out |= {"steps": self.server.steps, "failed": self.server.failed_steps}
+            out |= {
+                "steps": self.server.steps,
+                "failed": self.server.failed_steps,
+                "rows": self.server.rows,
+            }
         if self.tp_leader is not None:
             out["tp_computations"] = self.tp_leader.shared
         if self.tp_follower is not None:
             out["tp_computations"] = self.tp_follower.computed
+        if self.group is not None:
+            out["group_steps"] = self.group.steps
+            out["group_zero_row_microbatches"] = self.group.zero_row_microbatches
         return out
 
     def start(self, on_fatal: Callable[[BaseException | None], None]) -> None:
@@ -288,7 +358,7 @@ class FFNRole(_Role):
         self._stop.set()
         if self.connector is not None:
             self.connector.close()
-        for side in (self.tp_leader, self.tp_follower):
+        for side in (self.tp_leader, self.tp_follower, self.group):
             if side is not None:
                 side.close()
 

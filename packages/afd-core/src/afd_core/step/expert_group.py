@@ -1,0 +1,136 @@
+"""FFN ranks whose MoE layers run as one group: vLLM's data-parallel MoE on the FFN side.
+
+An FFN server with `--data-parallel-size D` is D FFN ranks (afd.start_rank ... + D - 1),
+each with its own attention peers, whose MoE layers are one vLLM data-parallel group: every
+MoE layer gathers all D ranks' rows, runs the experts (sharded over the group; with
+`--enable-expert-parallel`, each rank holds its own experts) and scatters the results back.
+Those collectives need every member, so the group walks every (layer, micro-batch) of every
+step together, a rank with no rows included, and each member must know how many rows every
+other member brings (vLLM's DP metadata).
+
+So after its control messages, each member exchanges one small vector with the others:
+its group step number, its number of micro-batches and the rows of each. The group then
+runs the most micro-batches any member has (a member without rows in one computes with
+zero rows); a micro-batch with no rows anywhere is skipped by all. Members that disagree on
+the step number (one skipped or repeated a step) stop with both numbers.
+
+The members step together only if their attention peers do: the data-parallel ranks of one
+attention server run every forward together (vLLM's DP lockstep, dummy batches included),
+two attention servers do not. `check_peers` enforces that at start-up.
+
+The vectors travel on a transport of the group's own (the control channel: a member waits
+there while its peers' forward starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd_core.connectors.base import AFDPeerError, StepPlan
+from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.connectors.transport import Transport, TransportError
+
+AGREEMENT_LEN = 2 + MAX_MICROBATCHES  # [group step, num_microbatches, rows per micro-batch]
+PEERS_LEN = 3  # [number of peers, lowest and highest attention server among them]
+
+
+def expert_group_name(first_ffn_rank: int) -> str:
+    return f"ffn{first_ffn_rank}-dp"
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """What the group computes in one step."""
+
+    step: int
+    rows: tuple[tuple[int, ...], ...]  # [micro-batch][member]: rows each member brings
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.rows)
+
+    def total(self, microbatch: int) -> int:
+        return sum(self.rows[microbatch])
+
+
+def agree(step: int, vectors: list[list[int]], first_ffn_rank: int) -> GroupStep:
+    """The group's step from every member's vector (member order); AFDPeerError when the
+    members are not at the same step."""
+    steps = [v[0] for v in vectors]
+    if len(set(steps)) != 1:
+        where = ", ".join(f"FFN rank {first_ffn_rank + i} at {s}" for i, s in enumerate(steps))
+        raise AFDPeerError(
+            f"AFD expert group of FFN ranks {first_ffn_rank}..{first_ffn_rank + len(vectors) - 1}"
+            f": its members are at different steps ({where}); their attention peers did not "
+            "step together"
+        )
+    n_mb = max(v[1] for v in vectors)
+    rows = tuple(tuple(v[2 + mb] if mb < v[1] else 0 for v in vectors) for mb in range(n_mb))
+    return GroupStep(step, rows)
+
+
+class ExpertGroup:
+    """One member (FFN rank) of an expert group of `size` FFN ranks from `first_ffn_rank`."""
+
+    def __init__(self, transport: Transport, rank: int, size: int, first_ffn_rank: int):
+        self.transport = transport
+        self.rank = rank  # in the group = the FFN server's data-parallel rank
+        self.size = size
+        self.first_ffn_rank = first_ffn_rank
+        self.steps = 0  # group steps agreed
+        # (member, micro-batch) pairs computed without rows of the member's own, any member
+        self.zero_row_microbatches = 0
+
+    @property
+    def ffn_rank(self) -> int:
+        return self.first_ffn_rank + self.rank
+
+    def _all_gather(self, words: list[int]) -> list[list[int]]:
+        import torch
+
+        mine = torch.tensor(words, dtype=torch.int64)
+        theirs = {r: torch.zeros_like(mine) for r in range(self.size) if r != self.rank}
+        try:
+            handles = [self.transport.irecv_control(buf, r) for r, buf in theirs.items()]
+            handles += [self.transport.isend_control(mine, r) for r in theirs]
+            for h in handles:
+                h.wait()
+        except TransportError as exc:
+            raise AFDPeerError(
+                f"FFN rank {self.ffn_rank}: its expert group (FFN ranks "
+                f"{self.first_ffn_rank}..{self.first_ffn_rank + self.size - 1}) lost a "
+                f"member: {exc}"
+            ) from None
+        return [words if r == self.rank else theirs[r].tolist() for r in range(self.size)]
+
+    def check_peers(self, peer_servers: list[int]) -> None:
+        """Start-up: every member's attention peers are ranks of one attention server (which
+        steps in lockstep); AFDPeerError naming the servers otherwise."""
+        mine = [len(peer_servers), min(peer_servers), max(peer_servers)]
+        vectors = self._all_gather(mine)
+        servers = sorted({s for _, lo, hi in vectors for s in (lo, hi)})
+        if len(servers) > 1:
+            raise AFDPeerError(
+                f"AFD start-up failed: the FFN ranks {self.first_ffn_rank}.."
+                f"{self.first_ffn_rank + self.size - 1} of one FFN server "
+                f"(--data-parallel-size {self.size}) run their MoE layers together, so their "
+                "attention peers must step together: ranks of one attention server; they are "
+                "served by the attention servers starting at ranks "
+                + ", ".join(map(str, servers))
+                + ". Give each attention server its own FFN server(s), or serve these "
+                "attention ranks from one server with --data-parallel-size"
+            )
+
+    def agree(self, plan: StepPlan) -> GroupStep:
+        """This step's micro-batches and every member's rows in each."""
+        totals = [sum(rows) for rows in plan.rows]
+        words = [self.steps, len(totals), *totals, *[0] * (MAX_MICROBATCHES - len(totals))]
+        agreed = agree(self.steps, self._all_gather(words), self.first_ffn_rank)
+        self.steps += 1
+        self.zero_row_microbatches += sum(
+            1 for rows in agreed.rows if sum(rows) for n in rows if n == 0
+        )
+        return agreed
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,212 @@
+"""FFN ranks of one expert group (an FFN server with data parallelism): every member walks
+every (layer, micro-batch) that has rows on any member, with zero rows of its own if need
+be, and knows every member's rows (vLLM's DP metadata); across real processes on gloo."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+import pytest
+
+from afd_core.connectors.base import AFDPeerError, StepPlan
+from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.transport import Completed
+from afd_core.step.expert_group import ExpertGroup, GroupStep, agree, expert_group_name
+from tests.afd_core.gloo_harness import assert_no_errors, free_port, make, run_processes
+from tests.afd_core.test_scale_out import job
+from tests.afd_core.test_step_protocol import expected
+
+# the group's vectors are torch tensors (the CPU build comes with vLLM): everything but the
+# pure agreement needs it
+needs_torch = pytest.mark.vllm
+
+LAYERS = 3
+# one attention server of two data-parallel ranks (they step together): rows per
+# micro-batch of each step; the ranks split their steps differently
+STEPS = {
+    0: [(2, 3), (4,), (1, 1, 1, 1), (3,), (0, 2)],
+    1: [(1,), (2, 2), (3,), (2, 1), (1,)],
+}
+
+
+# -- the agreement, alone ----------------------------------------------------------------
+
+
+def test_the_group_runs_the_most_micro_batches_and_knows_every_members_rows():
+    agreed = agree(7, [[7, 2, 5, 3, 0, 0], [7, 1, 4, 0, 0, 0], [7, 0, 0, 0, 0, 0]], 2)
+    assert agreed == GroupStep(7, ((5, 4, 0), (3, 0, 0)))
+    assert agreed.num_microbatches == 2 and agreed.total(1) == 3
+
+
+def test_members_at_different_steps_stop_naming_both():
+    with pytest.raises(AFDPeerError, match=r"FFN rank 2 at 4, FFN rank 3 at 5"):
+        agree(4, [[4, 1, 1, 0, 0, 0], [5, 1, 1, 0, 0, 0]], 2)
+
+
+class _QueueTransport:
+    """Control messages between threads: member r's sends to s land in boxes[(r, s)]."""
+
+    def __init__(self, rank: int, boxes):
+        self.rank, self.boxes = rank, boxes
+
+    def isend_control(self, tensor, peer):
+        self.boxes[(self.rank, peer)].put(tensor.clone())
+        return Completed()
+
+    def irecv_control(self, tensor, peer):
+        box = self.boxes[(peer, self.rank)]
+
+        class _Recv:
+            def wait(self, timeout_s=None):
+                tensor.copy_(box.get(timeout=10))
+
+        return _Recv()
+
+    def close(self):
+        pass
+
+
+def _run_members(size: int, work) -> list:
+    boxes = {(r, s): queue.Queue() for r in range(size) for s in range(size)}
+    out: list = [None] * size
+
+    def member(r):
+        try:
+            out[r] = work(ExpertGroup(_QueueTransport(r, boxes), r, size, 4))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            out[r] = exc
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def _plan(step, rows_per_mb):
+    return StepPlan(step, (), tuple((n,) for n in rows_per_mb), ControlFlag.NONE)
+
+
+@needs_torch
+def test_three_members_agree_on_rows_with_zero_row_members():
+    plans = {0: [3, 1], 1: [0], 2: [2, 2, 2]}
+    out = _run_members(3, lambda g: g.agree(_plan(0, plans[g.rank])))
+    assert out[0] == out[1] == out[2] == GroupStep(0, ((3, 0, 2), (1, 0, 2), (0, 0, 2)))
+
+
+@needs_torch
+def test_peers_of_one_attention_server_pass_the_start_up_check():
+    assert _run_members(2, lambda g: g.check_peers([0, 0])) == [None, None]
+
+
+@needs_torch
+def test_peers_of_two_attention_servers_fail_the_start_up_check_naming_them():
+    servers = {0: [0], 1: [1]}  # attention ranks 0 and 1 on servers of their own
+    out = _run_members(2, lambda g: g.check_peers(servers[g.rank]))
+    for exc in out:
+        assert isinstance(exc, AFDPeerError), out
+        assert "FFN ranks 4..5 of one FFN server (--data-parallel-size 2)" in str(exc)
+        assert "attention servers starting at ranks 0, 1" in str(exc)
+
+
+# -- a 2A2F deployment whose FFN ranks are one expert group, as real processes --------------
+
+
+def group_ffn_main(rank, port, q):
+    try:
+        import threading
+
+        import torch
+
+        from afd_core.step.ffn import FFNStepServer
+
+        conn = make("ffn", rank, 2, 2, port, layers=LAYERS)
+        conn.init()
+        side = conn.make_side_transport(expert_group_name(0), rank, 2, connect_scale=2.0)
+        side.connect()
+        group = ExpertGroup(side, rank, 2, 0)
+        group.check_peers(conn.peer_servers())
+        # the "MoE": a collective of its own across the group, as vLLM's all-gather is; a
+        # member that skipped a layer/micro-batch would hang it or see another layer
+        moe = conn.make_side_transport("moe", rank, 2, connect_scale=2.0)
+        moe.connect()
+        other = 1 - rank
+        computed = []
+
+        def compute(layer, h, logits, ids, group_rows):
+            mine = torch.tensor([layer, h.shape[0]], dtype=torch.int64)
+            theirs = torch.zeros(2, dtype=torch.int64)
+            recv = moe.irecv_control(theirs, other)
+            moe.isend_control(mine, other).wait()
+            recv.wait()
+            assert theirs.tolist() == [layer, group_rows[other]], (theirs, layer, group_rows)
+            assert h.shape[0] == group_rows[rank]
+            computed.append((layer, tuple(group_rows)))
+            return h * 2 + layer
+
+        server = FFNStepServer(conn, list(range(LAYERS)), compute, group=group)
+        server.serve(threading.Event())
+        q.put(
+            (
+                ("ffn", rank),
+                {
+                    "computed": computed,
+                    "steps": group.steps,
+                    "zero_rows": group.zero_row_microbatches,
+                },
+            )
+        )
+        conn.close()
+        moe.close()
+        group.close()
+    except Exception:
+        q.put((("ffn", rank), "ERROR " + traceback.format_exc()))
+
+
+def group_attention_main(rank, port, q):
+    try:
+        import torch
+
+        from afd_core.step.attention import AttentionStepDriver
+
+        conn = make("attention", rank, 2, 2, port, layers=LAYERS)  # one server: start_rank 0
+        conn.init()
+        driver = AttentionStepDriver(conn)
+        for step, rows in enumerate(STEPS[rank]):
+            out = driver.run(rows, [job(conn, rank, step, mb, n) for mb, n in enumerate(rows)])
+            for mb, n in enumerate(rows):
+                assert torch.equal(out[mb], expected(rank, step, mb, n, LAYERS)), (step, mb)
+        driver.close()
+        conn.close()
+        q.put((("attention", rank), "ok"))
+    except Exception:
+        q.put((("attention", rank), "ERROR " + traceback.format_exc()))
+
+
+@needs_torch
+def test_ffn_ranks_of_an_expert_group_compute_every_micro_batch_together():
+    port = free_port()
+    results = run_processes(
+        [(group_ffn_main, r, port) for r in (0, 1)]
+        + [(group_attention_main, r, port) for r in (0, 1)]
+    )
+    assert_no_errors(results)
+    assert results[("attention", 0)] == results[("attention", 1)] == "ok"
+    first, second = results[("ffn", 0)], results[("ffn", 1)]
+    assert first["steps"] == second["steps"] == len(STEPS[0])
+    # both members computed the same (layer, micro-batch) sequence with the same rows per
+    # member: the most micro-batches either had, zero rows for the one with fewer
+    assert first["computed"] == second["computed"]
+    want = []
+    for s0, s1 in zip(STEPS[0], STEPS[1], strict=True):
+        n_mb = max(len(s0), len(s1))
+        rows = [
+            (s0[mb] if mb < len(s0) else 0, s1[mb] if mb < len(s1) else 0) for mb in range(n_mb)
+        ]
+        want += [(layer, r) for layer in range(LAYERS) for r in rows if sum(r)]
+    assert first["computed"] == want
+    zero = sum(1 for layer, r in want if layer == 0 for n in r if n == 0)
+    assert first["zero_rows"] == second["zero_rows"] == zero > 0  # each counts the group's
