@@ -108,10 +108,10 @@ def local_deployment(
 ) -> dict[str, Server]:
     """Servers of a one-host AFD deployment: one attention server (data parallel =
     attention_ranks, tensor parallel = attention_tensor_parallel: each TP rank is an
-    attention rank that exchanges its share of the rows) and one FFN server (data parallel = ffn_ranks: FFN ranks that run the
-    MoE layers as one expert group), plus a colocated baseline if asked; not started yet.
-    `attention_args` go to the attention server only (e.g. --enable-dbo), `env` to every
-    server."""
+    attention rank that exchanges its share of the rows) and one FFN server (data parallel
+    = ffn_ranks: FFN ranks that run the MoE layers as one expert group), plus a colocated
+    baseline if asked; not started yet. `attention_args` go to the attention server only
+    (e.g. --enable-dbo), `env` to every server."""
     afd = {
         "port": free_port(),
         "num_attention_ranks": attention_ranks * attention_tensor_parallel,

@@ -31,9 +31,6 @@ from afd_core.connectors.base import AFDPeerError, StepPlan
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.transport import Transport, TransportError
 
-AGREEMENT_LEN = 2 + MAX_MICROBATCHES  # [group step, num_microbatches, rows per micro-batch]
-PEERS_LEN = 3  # [number of peers, lowest and highest attention server among them]
-
 
 def expert_group_name(first_ffn_rank: int) -> str:
     return f"ffn{first_ffn_rank}-dp"
@@ -107,9 +104,9 @@ class ExpertGroup:
     def check_peers(self, peer_servers: list[int]) -> None:
         """Start-up: every member's attention peers are ranks of one attention server (which
         steps in lockstep); AFDPeerError naming the servers otherwise."""
-        mine = [len(peer_servers), min(peer_servers), max(peer_servers)]
-        vectors = self._all_gather(mine)
-        servers = sorted({s for _, lo, hi in vectors for s in (lo, hi)})
+        # the lowest and highest server among this member's peers
+        vectors = self._all_gather([min(peer_servers), max(peer_servers)])
+        servers = sorted({s for lo, hi in vectors for s in (lo, hi)})
         if len(servers) > 1:
             raise AFDPeerError(
                 f"AFD start-up failed: the FFN ranks {self.first_ffn_rank}.."
