@@ -8,6 +8,7 @@ the test with the child's traceback.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 
 HIDDEN = 8
@@ -39,8 +40,12 @@ def make(
     from afd_core.connectors.base import WireSpec
     from afd_core.connectors.factory import build_connector
 
+    # AFD_TEST_CONNECTOR=nccl: the NCCL connector over CPU stand-ins (tests/afd_core/
+    # nccl_standin.py), so a protocol test runs unchanged over the issue-ordered channel
+    nccl = os.environ.get("AFD_TEST_CONNECTOR") == "nccl"
     cfg = parse_afd_config(
         {
+            "connector": "nccl" if nccl else "gloo",
             "role": role,
             "port": port,
             "num_attention_ranks": a,
@@ -48,9 +53,13 @@ def make(
             "start_rank": start_rank,
             "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": connect_timeout},
         },
-        device_type="cpu",
+        device_type="cuda" if nccl else "cpu",
     )
     wire = WireSpec(hidden, dtype, layers, 64, router_width=router_width, token_ids=token_ids)
+    if nccl:
+        from tests.afd_core.nccl_standin import nccl_standin_connector
+
+        return nccl_standin_connector(cfg, rank, wire)
     return build_connector(cfg, rank, wire)
 
 

@@ -207,6 +207,17 @@ def parse_afd_config(raw: Any, device_type: str | None = None) -> AFDConfig:
         first = errors[0]
         raise AFDConfigError("; ".join(str(e) for e in errors), first.field, first.value) from None
     spec = connector_spec(cfg.connector)  # known: the schema already checked the name
+    if device_type is not None and device_type not in spec.device_types:
+        usable = [
+            n for n in available_connectors() if device_type in connector_spec(n).device_types
+        ]
+        raise AFDConfigError(
+            f"afd config: connector={cfg.connector!r} runs on "
+            f"{'/'.join(spec.device_types)}, but this platform is {device_type!r}; allowed "
+            f"here: {', '.join(repr(n) for n in usable) or 'none'}",
+            "connector",
+            cfg.connector,
+        )
     try:
         spec.validate_topology(cfg.num_attention_ranks, cfg.num_ffn_ranks)
     except ValueError as exc:

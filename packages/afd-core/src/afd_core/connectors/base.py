@@ -47,6 +47,7 @@ class WireSpec:
     # each row's token id travels with it (models that route by token id: DeepSeek-V4's
     # hash-routed MoE layers)
     token_ids: bool = False
+    router_dtype: str = "float32"  # the router logits' dtype on the wire
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,11 @@ class AFDConnector(ABC):
         """The FFN rank's verdict on the step: AFDStepError if it failed there."""
 
     @abstractmethod
+    def mark_exchanged(self) -> None:
+        """The step's forward was a replayed device graph: every layer of every micro-batch
+        was exchanged by the captured operations, with no Python of this connector."""
+
+    @abstractmethod
     def abort_step(self) -> str:
         """After a local failure mid-step: finish the step in protocol (zeros); returns
         where each micro-batch had stopped, for the error message."""
@@ -150,6 +156,11 @@ class AFDConnector(ABC):
     @abstractmethod
     def send_ffn_output(self, output: torch.Tensor, layer: int, microbatch: int = 0) -> None:
         """Send each peer its rows; does not wait (finish_step does)."""
+
+    @abstractmethod
+    def settle_sends(self) -> None:
+        """Complete the step's sends so far (on a device: order the current stream after
+        them, which joins them into a graph being captured)."""
 
     @abstractmethod
     def finish_step(self, failure: StepStatus | None = None) -> None:

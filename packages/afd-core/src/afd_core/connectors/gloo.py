@@ -45,28 +45,8 @@ class GlooTransport(StoreTransport):
 class GlooConnector(PointToPointConnector):
     """Connector `gloo`: the point-to-point AFD protocol over GlooTransport (CPU tensors)."""
 
-    def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport:
-        return self._gloo_transport(
-            group, group_rank, group_size, self.config.is_ffn and self.role_rank == 0, 1.0
-        )
-
-    def make_side_transport(
-        self, name: str, group_rank: int, group_size: int, connect_scale: float
-    ) -> Transport:
-        return self._gloo_transport(name, group_rank, group_size, False, connect_scale)
-
-    def _gloo_transport(self, group, group_rank, group_size, store_master, connect_scale):
-        extra = self.config.extra()
-        return GlooTransport(
-            self.config.host,
-            self.config.port,
-            group,
-            group_rank,
-            group_size,
-            is_store_master=store_master,
-            timeout_s=extra.timeout_s,
-            connect_timeout_s=extra.connect_timeout_s * connect_scale,
-        )
+    def new_transport(self, *args, **kwargs) -> Transport:
+        return GlooTransport(*args, **kwargs)
 
     def check_tensor(self, tensor) -> None:
         if tensor.device.type != "cpu":

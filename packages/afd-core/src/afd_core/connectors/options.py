@@ -33,3 +33,8 @@ class GlooOptions(BaseModel):
     # Longest wait for every rank to join the rendezvous at start-up. Servers finish loading
     # at different times: raise it when one side loads a large model much later.
     connect_timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
+
+
+class NcclOptions(GlooOptions):
+    """Options of the CUDA NCCL connector: the same bounds. A data operation not done
+    within timeout_s aborts the NCCL channel (the watchdog) and names the peer."""

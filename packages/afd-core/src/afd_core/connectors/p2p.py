@@ -10,9 +10,10 @@ One step (docs/protocol.md): the attention rank sends a control message (rows pe
 micro-batch, step number, flags) and posts the receive of the step's status; then per
 layer and micro-batch it posts the receive of the FFN output and sends its rows; the FFN
 rank posts the receives of all its peers at once, computes, sends each peer its slice, and
-ends the step with a status message per peer. Every operation is asynchronous; tags encode
-(layer, micro-batch, kind), so an ordering bug is an error that names the layer, never
-mixed-up data. A step that failed on either side is finished in protocol (rows of zeros)
+ends the step with a status message per peer (on the control channel). Every operation is
+asynchronous; on gloo, tags encode (layer, micro-batch, kind), so an ordering bug is an
+error that names the layer, never mixed-up data; both sides issue the data operations in
+the same order, so a channel that matches in issue order (NCCL) needs no tags. A step that failed on either side is finished in protocol (rows of zeros)
 so the next step starts in step; only a transport failure ends the deployment.
 """
 
@@ -58,7 +59,6 @@ logger = get_logger(__name__)
 
 KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS = 0, 1, 2
 NUM_KINDS = 3
-STATUS_TAG = 1 << 24  # above every data tag of any real model
 ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to take the reason
 STATUS_GRACE_S = 0.5  # how long a failed exchange waits for the FFN rank's reason
 FAILED_KEY = "afd/failed"  # the store key holding why start-up failed, for every rank
@@ -147,27 +147,53 @@ class PointToPointConnector(AFDConnector):
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
         self._pending_sends: list[tuple[int, int, int, Handle]] = []  # peer, layer, mb, handle
-        # FFN side: two receive buffers used in turn, so the receive of the next
-        # layer/micro-batch lands in one while the other is computed; each grows as needed
-        # (a fresh large tensor per layer costs an mmap and page faults each time)
-        self._ring: list[object | None] = [None, None]
+        # FFN side: two sets of receive buffers (rows, router logits, token ids) used in
+        # turn, so the receive of the next layer/micro-batch lands in one while the other is
+        # computed; each grows as needed (a fresh large tensor per layer costs an mmap and
+        # page faults each time), or is allocated once (`fixed_receive_buffers`)
+        self._ring: list[tuple | None] = [None, None]
         self._ring_next = 0
         self._trace = trace_for(config.role, role_rank)
 
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
-    def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport: ...
+    def new_transport(self, *args, **kwargs) -> Transport:
+        """This connector's transport, built with StoreTransport's arguments."""
 
-    @abstractmethod
+    def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport:
+        """The transport of this rank's AFD group (FFN rank 0 hosts the store)."""
+        store_master = self.config.is_ffn and self.role_rank == 0
+        return self._build_transport(group, group_rank, group_size, store_master, 1.0)
+
     def make_side_transport(
         self, name: str, group_rank: int, group_size: int, connect_scale: float
     ) -> Transport:
         """A transport for a group of this deployment outside the AFD protocol (the
         tensor-parallel workers of one FFN rank), on the same rendezvous store; its
         members wait up to connect_scale times the connect timeout for each other."""
+        return self._build_transport(name, group_rank, group_size, False, connect_scale)
+
+    def _build_transport(self, group, group_rank, group_size, store_master, connect_scale):
+        extra = self.config.extra()
+        return self.new_transport(
+            self.config.host,
+            self.config.port,
+            group,
+            group_rank,
+            group_size,
+            is_store_master=store_master,
+            timeout_s=extra.timeout_s,
+            connect_timeout_s=extra.connect_timeout_s * connect_scale,
+        )
 
     def check_tensor(self, tensor) -> None:
         return None
+
+    # where this connector's own tensors live (receive buffers, zeros of an aborted step)
+    device = "cpu"
+    # receive buffers allocated once, for the most rows the peers may send, instead of
+    # growing: their addresses never change (a captured device graph reads them)
+    fixed_receive_buffers = False
 
     # -- naming, for error messages --------------------------------------------------------
     def _me(self) -> str:
@@ -192,6 +218,8 @@ class PointToPointConnector(AFDConnector):
         except AFDPeerError:
             self._leave_failed_start_up(transport)
             raise
+        if self.config.is_ffn and self.fixed_receive_buffers:
+            self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
 
     def _leave_failed_start_up(self, transport: Transport) -> None:
         """The store lives in FFN rank 0's process: it stays until every rank of the
@@ -271,6 +299,7 @@ class PointToPointConnector(AFDConnector):
             "dtype": self.wire.dtype,
             "num_exchange_layers": self.wire.num_exchange_layers,
             "router_width": self.wire.router_width,
+            "router_dtype": self.wire.router_dtype if self.wire.router_width else None,
             "token_ids": self.wire.token_ids,
         }
 
@@ -463,7 +492,7 @@ class PointToPointConnector(AFDConnector):
         try:
             # the status receive first: the FFN rank may answer before the control send
             # is reported complete here
-            status = t.irecv(status_buf, 0, STATUS_TAG)
+            status = t.irecv_status(status_buf, 0)
             control = self._send_words(words)
         except TransportError as exc:
             raise AFDPeerError(
@@ -641,6 +670,15 @@ class PointToPointConnector(AFDConnector):
             )
         return status
 
+    def mark_exchanged(self) -> None:
+        step = self._step_or_raise()
+        if step.inflight:
+            raise AFDPeerError(
+                f"{self._me()}: step {step.number} was replayed from a graph, but "
+                f"micro-batch(es) {sorted(step.inflight)} exchanged in Python"
+            )
+        step.next_layer = [self.wire.num_exchange_layers] * len(step.rows)
+
     def abort_step(self) -> str:
         """Finish the step in flight after a local failure: complete what is in flight,
         exchange rows of zeros for every layer not yet exchanged, and take the status, so
@@ -664,13 +702,22 @@ class PointToPointConnector(AFDConnector):
         for mb, rows in enumerate(step.rows):
             if not rows:
                 continue
-            zeros = torch.zeros(rows, self.wire.hidden_size, dtype=dtype)
+            zeros = torch.zeros(rows, self.wire.hidden_size, dtype=dtype, device=self.device)
             logits = (
-                torch.zeros(rows, self.wire.router_width, dtype=torch.float32)
+                torch.zeros(
+                    rows,
+                    self.wire.router_width,
+                    dtype=getattr(torch, self.wire.router_dtype),
+                    device=self.device,
+                )
                 if self.wire.router_width
                 else None
             )
-            ids = torch.zeros(rows, dtype=torch.int64) if self.wire.token_ids else None
+            ids = (
+                torch.zeros(rows, dtype=torch.int64, device=self.device)
+                if self.wire.token_ids
+                else None
+            )
             for layer in range(step.next_layer[mb], self.wire.num_exchange_layers):
                 self.start_exchange(zeros, layer, mb, logits, token_ids=ids).wait()
         self._finish(step)
@@ -714,6 +761,7 @@ class PointToPointConnector(AFDConnector):
         for m in by_peer.values():
             flags |= m.flags
         self._plan = StepPlan(self._step, tuple(messages), rows, flags)
+        self._ring_next = 0  # every step uses the buffers in the same order (graph replay)
         return self._plan
 
     def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
@@ -771,19 +819,11 @@ class PointToPointConnector(AFDConnector):
 
     def post_attn_output(self, layer: int, microbatch: int = 0) -> PendingBatch:
         """Post the receives of every peer's rows of one layer/micro-batch."""
-        import torch
 
         t = self._require("ffn")
         plan = self._require_plan()
         rows = plan.rows[microbatch]
-        total = sum(rows)
-        hidden = self._ring_buffer(total)
-        logits = (
-            torch.empty(total, self.wire.router_width, dtype=torch.float32)
-            if self.wire.router_width
-            else None
-        )
-        ids = torch.empty(total, dtype=torch.int64) if self.wire.token_ids else None
+        hidden, logits, ids = self._receive_buffers(sum(rows))
         handles = []
         off = 0
         for i, n in enumerate(rows):
@@ -824,20 +864,42 @@ class PointToPointConnector(AFDConnector):
         """Blocking form: the peers' rows; valid until the second receive after it."""
         return self.post_attn_output(layer, microbatch).wait()
 
-    def _ring_buffer(self, rows: int):
-        """Rows [0, rows) of the next receive buffer of the ring."""
-        import torch
-
+    def _receive_buffers(self, rows: int) -> tuple:
+        """Rows [0, rows) of the next set of receive buffers of the ring: (hidden states,
+        router logits or None, token ids or None)."""
         slot = self._ring_next
         self._ring_next ^= 1
-        buf = self._ring[slot]
-        if buf is None or buf.shape[0] < rows:
-            capacity = max(rows, 1 if buf is None else 2 * buf.shape[0])
-            buf = torch.empty(
-                capacity, self.wire.hidden_size, dtype=getattr(torch, self.wire.dtype)
-            )
-            self._ring[slot] = buf
-        return buf[:rows]
+        bufs = self._ring[slot]
+        if bufs is None or bufs[0].shape[0] < rows:
+            if bufs is not None and self.fixed_receive_buffers:
+                raise AFDPeerError(
+                    f"{self._me()}: {rows} rows in one micro-batch, more than the "
+                    f"{bufs[0].shape[0]} its receive buffers were allocated for (the peers' "
+                    "max-num-batched-tokens)"
+                )
+            if self.fixed_receive_buffers:
+                capacity = max(rows, self.max_receive_rows())
+            else:
+                capacity = max(rows, 1 if bufs is None else 2 * bufs[0].shape[0])
+            bufs = self._allocate_receive_buffers(capacity)
+            self._ring[slot] = bufs
+        return tuple(None if b is None else b[:rows] for b in bufs)
+
+    def max_receive_rows(self) -> int:
+        """FFN side: the most rows one micro-batch can bring, from every peer together."""
+        return sum(n or self.wire.max_tokens for n in self._peer_max_tokens)
+
+    def _allocate_receive_buffers(self, capacity: int) -> tuple:
+        import torch
+
+        w, dev = self.wire, self.device
+        return (
+            torch.empty(capacity, w.hidden_size, dtype=getattr(torch, w.dtype), device=dev),
+            torch.empty(capacity, w.router_width, dtype=getattr(torch, w.router_dtype), device=dev)
+            if w.router_width
+            else None,
+            torch.empty(capacity, dtype=torch.int64, device=dev) if w.token_ids else None,
+        )
 
     def send_ffn_output(self, output, layer: int, microbatch: int = 0) -> None:
         """Send each peer its rows of the output; returns at once (see finish_step)."""
@@ -853,7 +915,7 @@ class PointToPointConnector(AFDConnector):
             )
         plan = self._require_plan()
         if plan.num_microbatches > 1 or any(
-            b is not None and _shares_memory(output, b) for b in self._ring
+            b is not None and _shares_memory(output, b[0]) for b in self._ring
         ):
             # The send is in flight while the next micro-batch computes, and compute may
             # return memory its next call reuses (vLLM's modular fused MoE writes into a
@@ -880,6 +942,17 @@ class PointToPointConnector(AFDConnector):
             f"{self._peer_step[i] - 1} to attention rank {self.peers[i]}: {exc}"
         )
 
+    def settle_sends(self) -> None:
+        self._require("ffn")
+        try:
+            for i, layer, mb, handle in self._pending_sends:
+                try:
+                    handle.wait()
+                except TransportError as exc:
+                    raise self._return_error(i, layer, mb, exc) from None
+        finally:
+            self._pending_sends.clear()
+
     def finish_step(self, failure: StepStatus | None = None) -> None:
         """End the step: every output delivered, and each live peer told how it went."""
         import torch
@@ -895,12 +968,8 @@ class PointToPointConnector(AFDConnector):
                     continue
                 mine = dataclasses.replace(status, step=step_of[peer])
                 payload = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-                handles.append((i, t.isend(payload, i + 1, STATUS_TAG)))
-            for i, layer, mb, handle in self._pending_sends:
-                try:
-                    handle.wait()
-                except TransportError as exc:
-                    raise self._return_error(i, layer, mb, exc) from None
+                handles.append((i, t.isend_status(payload, i + 1)))
+            self.settle_sends()
             for i, handle in handles:
                 try:
                     handle.wait()
@@ -929,7 +998,7 @@ class PointToPointConnector(AFDConnector):
             if not self._active_peers[i]:
                 continue
             try:
-                handles.append(t.isend(payload, i + 1, STATUS_TAG))
+                handles.append(t.isend_status(payload, i + 1))
             except Exception:  # noqa: BLE001 - the peer may be gone already
                 logger.debug("AFD %s: abort not delivered", self._me(), exc_info=True)
         # A peer inside a step has the status receive posted and takes it at once; an idle

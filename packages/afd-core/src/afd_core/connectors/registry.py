@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from afd_core.connectors.options import GlooOptions
+from afd_core.connectors.options import GlooOptions, NcclOptions
 from afd_core.errors import AFDConfigError
 from afd_core.topology import validate_point_to_point
 
@@ -68,11 +68,11 @@ class ConnectorSpec:
         self.extra_rules(config)
 
 
-def _gloo_rules(config: AFDConfig) -> None:
+def _lockstep_rules(config: AFDConfig) -> None:
     if config.async_dp:
         raise AFDConfigError(
-            "afd config: async_dp=True is not supported by connector 'gloo' (it steps "
-            "attention ranks in lockstep); allowed: false",
+            f"afd config: async_dp=True is not supported by connector {config.connector!r} "
+            "(it steps attention ranks in lockstep); allowed: false",
             "async_dp",
             True,
         )
@@ -85,7 +85,16 @@ _SPECS: dict[str, ConnectorSpec] = {
         device_types=("cpu",),
         description="CPU tensors over torch.distributed gloo (TCP), AFD's own process groups",
         options=GlooOptions,
-        extra_rules=_gloo_rules,
+        extra_rules=_lockstep_rules,
+    ),
+    "nccl": ConnectorSpec(
+        name="nccl",
+        target="afd_core.connectors.nccl:NcclConnector",
+        device_types=("cuda",),
+        description="CUDA tensors over NCCL point-to-point (vLLM's PyNccl), one communicator "
+        "per direction; control on a CPU gloo channel",
+        options=NcclOptions,
+        extra_rules=_lockstep_rules,
     ),
 }
 

@@ -22,6 +22,7 @@ from afd_core.connectors.transport import Handle, Transport, TransportError
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
+CONTROL_TAG, STATUS_TAG = 0, 1  # control channel: attention -> FFN steps, FFN -> attention status
 
 
 class StoreTransport(Transport):
@@ -171,17 +172,29 @@ class StoreTransport(Transport):
     def store_try_get(self, key: str) -> bytes | None:
         return self._store.get(key) if self._store.check([key]) else None
 
-    def _handle(self, post, what: str) -> Handle:
+    def _handle(self, post, what: str, bounded: bool = False) -> Handle:
+        """A posted gloo operation; `bounded` waits at most the step timeout by default
+        (an operation of the control channel otherwise waits as long as its group)."""
         try:
-            return GlooHandle(post(), what, self.timeout_s)
+            return GlooHandle(post(), what, self.timeout_s, bounded)
         except Exception as exc:  # posting fails at once when the pair is already closed
             raise TransportError(f"{what}: {gloo_reason(exc, self.timeout_s)}") from None
 
     def isend_control(self, tensor, peer: int) -> Handle:
-        return self._handle(lambda: self._ctrl.send([tensor], peer, 0), "control send")
+        return self._handle(lambda: self._ctrl.send([tensor], peer, CONTROL_TAG), "control send")
 
     def irecv_control(self, tensor, peer: int) -> Handle:
-        return self._handle(lambda: self._ctrl.recv([tensor], peer, 0), "control receive")
+        return self._handle(lambda: self._ctrl.recv([tensor], peer, CONTROL_TAG), "control receive")
+
+    def isend_status(self, tensor, peer: int) -> Handle:
+        return self._handle(
+            lambda: self._ctrl.send([tensor], peer, STATUS_TAG), "status send", bounded=True
+        )
+
+    def irecv_status(self, tensor, peer: int) -> Handle:
+        return self._handle(
+            lambda: self._ctrl.recv([tensor], peer, STATUS_TAG), "status receive", bounded=True
+        )
 
 
 def _listening(host: str, port: int) -> bool:
@@ -202,15 +215,18 @@ def gloo_reason(exc: BaseException, timeout_s: float) -> str:
 
 
 class GlooHandle(Handle):
-    """A posted gloo operation; the group's own timeout bounds `wait` (timeout_s for data,
-    CONTROL_TIMEOUT for control)."""
+    """A posted gloo operation; by default the group's own timeout bounds `wait` (timeout_s
+    for data, CONTROL_TIMEOUT for control), or timeout_s when `bounded`."""
 
-    __slots__ = ("_work", "_what", "_timeout_s")
+    __slots__ = ("_work", "_what", "_timeout_s", "_bound")
 
-    def __init__(self, work, what: str, timeout_s: float):
+    def __init__(self, work, what: str, timeout_s: float, bounded: bool = False):
         self._work, self._what, self._timeout_s = work, what, timeout_s
+        self._bound = timeout_s if bounded else None
 
     def wait(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            timeout_s = self._bound
         try:
             if timeout_s is None:
                 self._work.wait()

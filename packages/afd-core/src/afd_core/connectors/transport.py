@@ -90,6 +90,17 @@ class Transport(ABC):
     def irecv_control(self, tensor: torch.Tensor, peer: int) -> Handle:
         """Receive a control message; may wait as long as the peer stays idle."""
 
+    # The step's status (and an abort) travel on the control channel, not the data channel:
+    # a device data channel (NCCL, HCCL) matches operations in issue order, and the status
+    # receive is posted when a step begins, before that step's data.
+    @abstractmethod
+    def isend_status(self, tensor: torch.Tensor, peer: int) -> Handle: ...
+
+    @abstractmethod
+    def irecv_status(self, tensor: torch.Tensor, peer: int) -> Handle:
+        """Receive a step's status (CPU uint8); the handle's wait is bounded by the
+        transport's step timeout."""
+
     # blocking forms
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self.isend(tensor, peer, tag).wait()

@@ -1,0 +1,182 @@
+"""Stand-ins that let the NCCL connector run on CPU, in real processes.
+
+* `HostRuntime`: a device runtime whose side streams are threads running their operations
+  one after another (as a CUDA stream does), whose events are set when the stream reaches
+  them, and whose "current stream" is the calling thread (a wait on an event blocks it).
+* `OrderedGlooFactory`: communicators that behave like NCCL's point-to-point: one gloo
+  process group per communicator with a single tag, so a receive takes the peer's sends in
+  issue order and a size mismatch or an ordering bug shows; each operation blocks its
+  stream until the peer's matching one comes, so a receive enqueued before a send on one
+  stream would deadlock here as it does on a GPU.
+
+Spawned test processes import this module, so it holds no test functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+import uuid
+
+from afd_core.connectors.device import DeviceRuntime
+from afd_core.connectors.transport import TransportError
+
+
+class HostEvent:
+    def __init__(self):
+        self._done = threading.Event()
+
+    def record(self, stream) -> None:
+        stream.enqueue(self._done.set)
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait_host(self, check) -> None:
+        while not self._done.wait(0.01):
+            check()
+
+
+class HostStream:
+    """A side stream: a thread running enqueued operations in order."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self.error: Exception | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def enqueue(self, fn) -> None:
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - a failed operation leaves its event unset
+                self.error = exc
+
+    def wait_stream(self, other) -> None:
+        if isinstance(other, HostStream):
+            event = HostEvent()
+            event.record(other)
+            self.enqueue(lambda: event.wait_host(lambda: None))
+        # the calling thread's own work is done already: nothing to wait for
+
+    def wait_event(self, event) -> None:
+        self.enqueue(lambda: event.wait_host(lambda: None))
+
+
+class CallerStream:
+    """The current stream: the calling thread itself."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+
+    def wait_stream(self, other) -> None:
+        raise AssertionError("the transport never orders the caller after a side stream")
+
+    def enqueue(self, fn) -> None:
+        fn()
+
+
+class HostRuntime(DeviceRuntime):
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+        self.streams: list[HostStream] = []
+        self.capturing = False
+        self.waits = 0  # events the caller waited for
+
+    def new_stream(self):
+        s = HostStream(f"host-stream-{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    def current_stream(self):
+        return CallerStream(self)
+
+    def new_event(self):
+        return HostEvent()
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+    def record_stream(self, tensor, stream) -> None:
+        return None
+
+    def wait_event(self, event, check) -> None:
+        self.waits += 1
+        event.wait_host(check)
+
+
+class OrderedGlooComm:
+    def __init__(self, pg):
+        self._pg = pg
+        self.sent: list[tuple[int, tuple]] = []  # (peer, shape) in issue order, for tests
+        self.received: list[tuple[int, tuple]] = []
+        self.aborted = False
+
+    def send(self, tensor, peer: int, stream) -> None:
+        self.sent.append((peer, tuple(tensor.shape)))
+        stream.enqueue(lambda: self._op(self._pg.send, tensor, peer))
+
+    def recv(self, tensor, peer: int, stream) -> None:
+        self.received.append((peer, tuple(tensor.shape)))
+        stream.enqueue(lambda: self._op(self._pg.recv, tensor, peer))
+
+    def _op(self, post, tensor, peer):
+        try:
+            post([tensor], peer, 0).wait()
+        except Exception as exc:  # noqa: BLE001 - a stream has nobody to raise to
+            if not self.aborted:
+                raise TransportError(str(exc)) from None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class OrderedGlooFactory:
+    """Communicator ids are store prefixes; each communicator is a gloo group on them."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 600.0):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.comms: list[OrderedGlooComm] = []
+
+    def unique_id(self) -> bytes:
+        return uuid.uuid4().bytes
+
+    def connect(self, unique_id: bytes, rank: int, size: int, device) -> OrderedGlooComm:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.host, self.port, None, False, wait_for_workers=False)
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("standin/" + unique_id.hex(), store),
+            rank,
+            size,
+            datetime.timedelta(seconds=self.timeout_s),
+        )
+        comm = OrderedGlooComm(pg)
+        self.comms.append(comm)
+        return comm
+
+
+def nccl_standin_connector(cfg, rank, wire):
+    """An NcclConnector over the stand-ins (cfg: an afd config naming connector 'nccl')."""
+    from afd_core.connectors.nccl import NcclConnector
+
+    return NcclConnector(
+        cfg, rank, wire, runtime=HostRuntime(), comm_factory=OrderedGlooFactory(cfg.host, cfg.port)
+    )
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

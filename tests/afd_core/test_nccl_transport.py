@@ -1,0 +1,364 @@
+"""The NCCL connector's logic on CPU: NCCL and the CUDA runtime swapped for stand-ins
+(tests/afd_core/nccl_standin.py) that keep NCCL's semantics — operations matched in issue
+order per peer, each stream running its operations one after another — in real processes.
+
+What a GPU is needed for (NCCL itself, CUDA streams and graphs) is in tests/gpu/check.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import pytest
+
+from afd_core.config import parse_afd_config
+from afd_core.connectors.registry import default_connector_for
+from afd_core.errors import AFDConfigError
+from tests.afd_core import test_step_protocol as step_protocol
+from tests.afd_core.gloo_harness import HIDDEN, assert_no_errors, free_port, make, run_processes
+
+pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
+
+
+@pytest.fixture
+def over_nccl(monkeypatch):
+    """Spawned test processes build the NCCL connector over the stand-ins."""
+    monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+
+
+# -- the protocol, unchanged, over an issue-ordered channel ------------------------------
+
+
+@pytest.mark.parametrize(
+    "a,f,steps",
+    [
+        (2, 1, {0: [(3, 4), (2,), (1, 1, 1, 1)], 1: [(1, 1, 1, 1), (0, 5, 0), (6,)]}),
+        (
+            4,
+            2,
+            {0: [(2, 2), (1,)], 1: [(3,), (0, 2, 2, 2)], 2: [(1, 1, 1), (5,)], 3: [(0,), (1, 1)]},
+        ),
+    ],
+    ids=["2A1F", "4A2F"],
+)
+def test_micro_batches_and_shapes_over_nccl(over_nccl, a, f, steps):
+    """Peers with different m, zero-row micro-batches, two groups: the step engine's tests
+    pass as they are over a channel that matches by order, not by tag."""
+    step_protocol.test_microbatches_every_m_and_shape(a, f, steps)
+
+
+def test_no_stream_deadlock_with_overlapping_micro_batches(over_nccl):
+    """Receives and sends on one stream would deadlock as soon as micro-batches overlap;
+    here each direction has its own, and 12 layers x m = 4 finish within a 3 s bound."""
+    step_protocol.test_deadlock_canary_short_timeout_many_layers()
+
+
+def test_failed_steps_stay_in_step_over_nccl(over_nccl):
+    """The zeros of an aborted step go out on the device, and the FFN rank's verdict comes
+    over the control channel: both sides go on with the next step."""
+    step_protocol.test_failed_steps_on_either_side_fail_only_that_step()
+
+
+def test_ffn_abort_reaches_the_peers_over_the_control_channel(over_nccl):
+    """A wrong step number: the FFN rank stops and its reason (sent on the control channel,
+    where NCCL's ordering cannot hold it back) reaches both attention ranks."""
+    steps = {0: [(2,), (2,), (2,)], 1: [(1, 1), (1, 1), (1, 1)]}
+    results = step_protocol.deploy(2, 1, steps, skip={1: 1}, timeout=5.0)
+    assert_no_errors(results)
+    assert "attention rank 1 announced step 2, but step 1 is next" in results[("ffn", 0)]
+    for r in (0, 1):
+        last = results[("attention", r)][-1]
+        assert last.startswith("STOPPED AFDPeerError"), last
+        assert "attention rank 1 announced step 2" in last, last
+
+
+# -- what the NCCL transport does with communicators, streams and buffers ----------------
+
+
+def usage_ffn(port, q):
+    try:
+        conn = make("ffn", 0, 1, 1, port, router_width=4, token_ids=True)
+        conn.init()
+        ring = [tuple(b.data_ptr() for b in slot) for slot in conn._ring]
+        capacity = conn._ring[0][0].shape[0]
+        addresses = []
+        for _ in range(3):
+            plan = conn.recv_control()
+            for layer in range(3):
+                for mb in range(plan.num_microbatches):
+                    batch = conn.recv_attn_output(layer, mb)
+                    addresses.append(
+                        (batch.hidden_states.data_ptr(), batch.router_logits.data_ptr())
+                    )
+                    conn.send_ffn_output(batch.hidden_states * 2, layer, mb)
+            conn.finish_step()
+        conn.recv_control()  # the goodbye
+        t = conn._transport
+        comms = {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()}
+        streams = len(t.runtime.streams)
+        conn.close()
+        q.put(
+            (
+                "ffn",
+                {
+                    "ring": ring,
+                    "capacity": capacity,
+                    "addresses": addresses,
+                    "comms": comms,
+                    "streams": streams,
+                },
+            )
+        )
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def usage_attn(port, q):
+    import torch
+
+    try:
+        conn = make("attention", 0, 1, 1, port, router_width=4, token_ids=True)
+        conn.init()
+        for rows in [(5,), (2, 3), (64,)]:
+            conn.begin_step(rows)
+            for layer in range(3):
+                for mb, n in enumerate(rows):
+                    h = torch.full((n, HIDDEN), float(layer + 1))
+                    logits = torch.zeros(n, 4)
+                    ids = torch.arange(n)
+                    out = conn.start_exchange(h, layer, mb, logits, token_ids=ids).wait()
+                    assert torch.equal(out, h * 2)
+            conn.end_step()
+        t = conn._transport
+        comms = {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()}
+        waits = t.runtime.waits
+        conn.close()
+        q.put(("attention", {"comms": comms, "waits": waits}))
+    except Exception:
+        q.put(("attention", "ERROR " + traceback.format_exc()))
+
+
+def test_one_communicator_per_direction_and_fixed_receive_buffers(over_nccl):
+    out = run_processes([(usage_ffn, port := free_port()), (usage_attn, port)])
+    assert_no_errors(out)
+    ffn, attn = out["ffn"], out["attention"]
+    exchanges = 3 * (1 + 2 + 1)  # layers x micro-batches over the three steps
+    # attention -> FFN: rows, logits and token ids (3 per exchange) on `to_first` only;
+    # FFN -> attention: the outputs on `from_first` only; two streams on each side
+    assert attn["comms"] == {"to_first": (3 * exchanges, 0), "from_first": (0, exchanges)}
+    assert ffn["comms"] == {"to_first": (0, 3 * exchanges), "from_first": (exchanges, 0)}
+    assert ffn["streams"] == 2
+    # the receive waits ordered the caller after the operations (3 sends + 1 receive each)
+    assert attn["waits"] == 4 * exchanges
+    # receive buffers: allocated once at start-up for the peer's max-num-batched-tokens (64,
+    # so the 64-row step fits), two sets used in turn, the same addresses every step
+    assert ffn["capacity"] == 64
+    hidden_slots = {slot[0] for slot in ffn["ring"]}
+    logits_slots = {slot[1] for slot in ffn["ring"]}
+    assert {h for h, _ in ffn["addresses"]} == hidden_slots
+    assert {g for _, g in ffn["addresses"]} == logits_slots
+    first_step = ffn["addresses"][:3]
+    assert ffn["addresses"][3] == first_step[0]  # step 2 starts on the same buffers
+
+
+def silent_ffn(port, q):
+    """Takes the step's control message, receives the rows, then never answers."""
+    try:
+        conn = make("ffn", 0, 1, 1, port, timeout=2.0)
+        conn.init()
+        conn.recv_control()
+        conn.recv_attn_output(0)
+        time.sleep(8)
+        q.put(("ffn", "ok"))
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def waiting_attn(port, q):
+    import torch
+
+    try:
+        conn = make("attention", 0, 1, 1, port, timeout=2.0)
+        conn.init()
+        conn.begin_step((3,))
+        t0 = time.monotonic()
+        try:
+            conn.start_exchange(torch.ones(3, HIDDEN), 0).wait()
+            q.put(("attention", "no error"))
+        except Exception as exc:
+            aborted = [c.aborted for c in conn._transport._comms.values()] or ["cleared"]
+            q.put(("attention", (f"{type(exc).__name__}: {exc}", time.monotonic() - t0, aborted)))
+    except Exception:
+        q.put(("attention", "ERROR " + traceback.format_exc()))
+
+
+def test_watchdog_turns_a_stuck_receive_into_the_named_error(over_nccl):
+    out = run_processes([(silent_ffn, port := free_port()), (waiting_attn, port)])
+    assert out["ffn"] == "ok", out
+    text, waited, _ = out["attention"]
+    assert text.startswith("AFDPeerError"), text
+    assert "layer 0 (micro-batch 0) of step 0" in text and "FFN rank 0" in text, text
+    assert "no answer within 2s; the NCCL data channel was aborted" in text, text
+    assert 1.5 < waited < 6, waited
+
+
+# -- units --------------------------------------------------------------------------------
+
+
+def test_watchdog_fires_once_for_the_first_late_operation():
+    from afd_core.connectors.device import Watchdog
+
+    class Ev:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    fired = []
+    dog = Watchdog("t", lambda what, t: fired.append((what, t)))
+    dog.watch(Ev(True), "done at once", 0.05)
+    late = Ev(False)
+    dog.watch(late, "receive from group rank 1", 0.2)
+    dog.watch(Ev(False), "a later one", 0.3)
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.4)
+    assert fired == [("receive from group rank 1", 0.2)]
+
+
+def test_captured_operations_are_not_watched_and_keep_their_buffers():
+    """Inside a graph capture no Python runs at replay: nothing is put under the watchdog
+    (the step's status bounds a replay) and no allocator hint is given."""
+    import torch
+
+    from afd_core.connectors.nccl import NcclTransport
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    class Comm:
+        def __init__(self):
+            self.ops = []
+
+        def send(self, tensor, peer, stream):
+            self.ops.append(("send", peer))
+
+        def recv(self, tensor, peer, stream):
+            self.ops.append(("recv", peer))
+
+        def abort(self):
+            pass
+
+    runtime = HostRuntime()
+    t = NcclTransport("127.0.0.1", 1, 0, 1, 2, False, 5.0, 5.0, runtime=runtime, comm_factory=None)
+    comm = Comm()
+    t._send_comm = t._recv_comm = comm
+    t._send_stream, t._recv_stream = runtime.new_stream(), runtime.new_stream()
+    hints = []
+    runtime.record_stream = lambda tensor, stream: hints.append(stream)
+    from afd_core.connectors.device import Watchdog
+
+    t._watchdog = Watchdog("t", lambda *a: None)
+    runtime.capturing = True
+    t.isend(torch.ones(2), 0, 0)
+    t.irecv(torch.ones(2), 0, 0)
+    assert t._watchdog.pending() == 0 and hints == []
+    runtime.capturing = False
+    t.isend(torch.ones(2), 0, 0)
+    assert t._watchdog.pending() == 1 and len(hints) == 1
+    assert comm.ops == [("send", 0), ("recv", 0), ("send", 0)]
+    t._watchdog.stop()
+
+
+def test_aborted_channel_fails_every_later_operation_by_name():
+    import torch
+
+    from afd_core.connectors.device import ChannelAborted
+    from afd_core.connectors.nccl import NcclTransport
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    aborted = []
+
+    class Comm:
+        def abort(self):
+            aborted.append(1)
+
+    t = NcclTransport(
+        "127.0.0.1", 1, 0, 1, 2, False, 5.0, 5.0, runtime=HostRuntime(), comm_factory=None
+    )
+    t._comms = {"to_first": Comm(), "from_first": Comm()}
+    t._send_comm = t._recv_comm = Comm()
+    t._expired("receive from group rank 0", 5.0)
+    assert len(aborted) == 2
+    with pytest.raises(ChannelAborted, match="receive from group rank 0: no answer within 5s"):
+        t.isend(torch.ones(1), 0, 0)
+
+
+def test_connector_rejects_tensors_on_another_device():
+    from afd_core.connectors.base import WireSpec
+    from afd_core.connectors.nccl import NcclConnector
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    cfg = parse_afd_config({"role": "attention", "connector": "nccl"}, device_type="cuda")
+    conn = NcclConnector(cfg, 0, WireSpec(8, "float32", 2, 16), runtime=HostRuntime())
+    import torch
+
+    conn.check_tensor(torch.ones(1))
+    with pytest.raises(ValueError, match="connector 'nccl' moves tensors on cpu, got a tensor"):
+        conn.check_tensor(torch.ones(1, device="meta"))
+
+
+def test_nccl_is_the_cuda_default_and_each_connector_stays_on_its_platform():
+    assert default_connector_for("cuda") == "nccl"
+    assert parse_afd_config({"role": "ffn"}, device_type="cuda").connector == "nccl"
+    with pytest.raises(AFDConfigError) as err:
+        parse_afd_config({"role": "ffn", "connector": "nccl"}, device_type="cpu")
+    assert err.value.field == "connector"
+    assert "connector='nccl' runs on cuda, but this platform is 'cpu'; allowed here: 'gloo'" in (
+        str(err.value)
+    )
+    with pytest.raises(AFDConfigError, match="connector='gloo' runs on cpu, but this platform"):
+        parse_afd_config({"role": "ffn", "connector": "gloo"}, device_type="cuda")
+    with pytest.raises(AFDConfigError, match="async_dp=True is not supported by connector 'nccl'"):
+        parse_afd_config({"role": "ffn", "async_dp": True}, device_type="cuda")
+
+
+def test_building_the_connector_touches_no_device():
+    """A config check (or a CPU-only machine) builds the connector without CUDA: the
+    device runtime and NCCL are reached only when it connects."""
+    from afd_core.connectors.base import WireSpec
+    from afd_core.connectors.factory import build_connector
+
+    cfg = parse_afd_config({"role": "attention", "connector": "nccl"}, device_type="cuda")
+    conn = build_connector(cfg, 0, WireSpec(8, "bfloat16", 2, 16))
+    assert type(conn).__name__ == "NcclConnector" and conn._runtime is None
+    assert threading.active_count() >= 1
+
+
+def test_watchdog_thread_is_set_up_first_and_survives_a_failing_query():
+    """The CUDA runtime sets the thread's capture mode first (a query from another thread
+    during vLLM's global-mode capture would invalidate it); a query that raises counts as
+    not done yet, and the thread goes on watching."""
+    from afd_core.connectors.device import Watchdog
+
+    class Raising:
+        def __init__(self):
+            self.calls = 0
+
+        def query(self):
+            self.calls += 1
+            if self.calls < 3:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return True
+
+    setup, fired = [], []
+    dog = Watchdog("t", lambda what, t: fired.append(what), thread_init=lambda: setup.append(1))
+    ev = Raising()
+    dog.watch(ev, "receive", 5.0)
+    deadline = time.monotonic() + 5
+    while dog.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert setup == [1] and ev.calls >= 3 and dog.pending() == 0 and fired == []
+    dog.stop()
