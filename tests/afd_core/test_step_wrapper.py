@@ -38,6 +38,9 @@ class FakeConnector:
     def end_step(self):
         self.ended += 1
 
+    def mark_exchanged(self):
+        self.replayed = getattr(self, "replayed", 0) + 1
+
     def abort_step(self):
         self.aborted += 1
         return "micro-batch 1 at layer 0"
@@ -86,9 +89,12 @@ def setup():
     model = Toy()
     wrapper = AFDStepWrapper(model, engine)
 
-    def forward(attn_metadata, n=8):
+    def forward(attn_metadata, n=8, **context):
         ctx = create_forward_context(
-            attn_metadata, vllm_config, slot_mapping={"layer.0": torch.arange(100, 100 + n)}
+            attn_metadata,
+            vllm_config,
+            slot_mapping={"layer.0": torch.arange(100, 100 + n)},
+            **context,
         )
         from vllm.forward_context import override_forward_context
 
@@ -191,3 +197,44 @@ def test_set_policy_is_bounded_by_what_the_server_built(setup):
     setup.engine.max_microbatches = 1
     with pytest.raises(ValueError, match="started for at most 1; start it with --enable-dbo"):
         setup.engine.set_policy(SplitPolicy(2))
+
+
+def test_graph_capture_is_announced_and_a_replay_counts_as_exchanged(setup):
+    """Under vLLM's CUDAGraphWrapper (FULL_DECODE_ONLY): the forward that captures carries
+    the CAPTURE flag, so the FFN rank captures the same key; after a replay (no exchange
+    Python ran inside the graph) the connector is told the layers were exchanged."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from afd_core.connectors.control import ControlFlag
+
+    wrapper = SimpleNamespace(runtime_mode=CUDAGraphMode.FULL, concrete_cudagraph_entries={})
+    setup.engine.graph_wrapper = wrapper
+    desc = BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True)
+    full = {"cudagraph_runtime_mode": CUDAGraphMode.FULL, "batch_descriptor": desc}
+    setup.forward({"layer.0": "capture"}, **full)
+    wrapper.concrete_cudagraph_entries[desc] = SimpleNamespace(cudagraph=object())  # captured
+    setup.forward({"layer.0": "replay"}, **full)
+    setup.forward({"layer.0": "eager"})  # a prefill step: no graph
+    assert setup.conn.steps == [((8,), int(ControlFlag.CAPTURE)), ((8,), 0), ((8,), 0)]
+    assert setup.conn.replayed == 1 and setup.conn.ended == 3
+    assert setup.engine.stats.as_dict()["by_graph"] == {"capture": 1, "replay": 1, "eager": 1}
+
+
+def test_a_split_step_under_a_graph_is_refused(setup):
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from afd_core.step.split import MicrobatchSlice
+
+    setup.engine.graph_wrapper = SimpleNamespace(
+        runtime_mode=CUDAGraphMode.FULL, concrete_cudagraph_entries={}
+    )
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    with pytest.raises(RuntimeError, match="split into micro-batches ran under a device graph"):
+        setup.forward(
+            [{"layer.0": "mb0"}, {"layer.0": "mb1"}],
+            cudagraph_runtime_mode=CUDAGraphMode.FULL,
+            batch_descriptor=BatchDescriptor(num_tokens=8),
+        )
+    assert setup.conn.steps == []

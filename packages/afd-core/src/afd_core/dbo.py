@@ -23,14 +23,7 @@ def _make_impls():
     import torch
 
     def manual_dbo_yield(x: torch.Tensor) -> None:
-        from afd_core.step.microbatch import yield_to_next_microbatch
-
-        if yield_to_next_microbatch():
-            return
-        from vllm.v1.worker import ubatching
-
-        if ubatching.dbo_enabled():
-            ubatching.dbo_yield()
+        yield_now()
 
     def manual_dbo_yield_fake(x: torch.Tensor) -> None:
         return None
@@ -57,6 +50,28 @@ def register_dbo_yield_custom_op() -> bool:
         return True
 
 
+def _vllm_ubatching():
+    """vLLM's ubatching module, or None where vLLM is not installed (tests/gpu/check.py
+    runs the exchange op on a machine without it)."""
+    try:
+        from vllm.v1.worker import ubatching
+    except ImportError:
+        return None
+    return ubatching
+
+
+def yield_now() -> None:
+    """Hand the baton to the next micro-batch: AFD's executor when the calling thread runs
+    one of its micro-batches, else vLLM's ubatching when active, else nothing."""
+    from afd_core.step.microbatch import yield_to_next_microbatch
+
+    if yield_to_next_microbatch():
+        return
+    ubatching = _vllm_ubatching()
+    if ubatching is not None and ubatching.dbo_enabled():
+        ubatching.dbo_yield()
+
+
 def current_microbatch_id() -> int:
     """The micro-batch the calling thread computes: AFD's executor first, then vLLM's
     ubatching, else 0 (an unsplit step)."""
@@ -65,9 +80,8 @@ def current_microbatch_id() -> int:
     mb = current_microbatch()
     if mb is not None:
         return mb
-    from vllm.v1.worker import ubatching
-
-    return ubatching.dbo_current_ubatch_id()
+    ubatching = _vllm_ubatching()
+    return ubatching.dbo_current_ubatch_id() if ubatching is not None else 0
 
 
 def dbo_yield(x) -> None:

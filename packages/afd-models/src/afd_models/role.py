@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.models.utils import PPMissingLayer
 
-from afd_core.dbo import current_microbatch_id, dbo_yield
-from afd_core.runtime import active_connector, active_sequence_split
+from afd_core.exchange import ffn_exchange_op
 from afd_models.weights import filter_weights, weight_wanted
 
 
@@ -40,23 +39,12 @@ def ffn_side(layer: torch.nn.Module) -> None:
     layer.post_attention_layernorm = PPMissingLayer()
 
 
+# the layer exchange, an opaque op for torch.compile and graph capture (afd_core.exchange)
+_EXCHANGE = ffn_exchange_op()
+
+
 def _exchange(hidden_states: torch.Tensor, exchange_index: int, router_logits=None, token_ids=None):
-    """Start the exchange of the calling micro-batch (the FFN output's receive is posted
-    before the rows are sent, so neither side ever waits on the other's order), yield to the
-    next micro-batch (DBO: its attention runs while the FFN ranks compute these rows), then
-    wait for the FFN output. Over tensor parallel, this TP rank exchanges its share of the
-    rows and the outputs are gathered from the TP group."""
-    split = active_sequence_split()
-    n = hidden_states.shape[0]
-    rows, logits, ids = hidden_states, router_logits, token_ids
-    if split is not None:
-        rows, logits, ids = (split.take(t, n) for t in (rows, logits, ids))
-    exchange = active_connector().start_exchange(
-        rows, exchange_index, current_microbatch_id(), logits, token_ids=ids
-    )
-    dbo_yield(hidden_states)
-    out = exchange.wait()
-    return out if split is None else split.gather(out, n)
+    return _EXCHANGE(hidden_states, exchange_index, router_logits, token_ids)
 
 
 class RemoteFFN(PPMissingLayer):

@@ -32,9 +32,14 @@ class AttentionStepDriver:
         self.trace = trace_for("attention", connector.role_rank)
 
     def run(
-        self, rows: Sequence[int], jobs: Sequence[Callable[[], Any]], flags: int = 0
+        self,
+        rows: Sequence[int],
+        jobs: Sequence[Callable[[], Any]],
+        flags: int = 0,
+        replayed: bool = False,
     ) -> list[Any]:
-        """Run one step whose micro-batch i has rows[i] rows and is computed by jobs[i]."""
+        """Run one step whose micro-batch i has rows[i] rows and is computed by jobs[i];
+        `replayed`: the job replays a device graph (the exchanges ran without Python)."""
         if len(rows) != len(jobs):
             raise ValueError(f"{len(jobs)} micro-batch jobs for {len(rows)} announced")
         conn = self.connector
@@ -42,6 +47,8 @@ class AttentionStepDriver:
         msg = conn.begin_step(tuple(rows), flags)
         try:
             results = [jobs[0]()] if len(jobs) == 1 else self.executor.run(jobs)
+            if replayed:
+                conn.mark_exchanged()
             conn.end_step()
             self.trace.add("step", t0, now())
             return results

@@ -26,6 +26,7 @@ from afd_core.connectors.base import AFDConnector, AFDPeerError, FFNBatch
 from afd_core.connectors.status import StatusCode, StepStatus
 from afd_core.log import get_logger
 from afd_core.step.expert_group import ExpertGroup, GroupStep
+from afd_core.step.graphs import FFNGraphCache
 from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
@@ -43,9 +44,12 @@ class FFNStepServer:
         compute: Compute,
         forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         group: ExpertGroup | None = None,
+        graphs: FFNGraphCache | None = None,
     ):
         self.connector = connector
         self.group = group
+        self.graphs = graphs  # device graphs of whole steps (CUDA FULL_DECODE_ONLY), or None
+        self.eager_only = lambda: False  # e.g. while a failure drill is armed
         self.layers = list(layers)
         self.compute = compute
         self.forward_context = forward_context
@@ -56,7 +60,6 @@ class FFNStepServer:
 
     def serve_step(self) -> bool:
         """One step for all peers; False when every peer has left."""
-        import torch
 
         conn = self.connector
         plan = conn.recv_control()
@@ -64,6 +67,33 @@ class FFNStepServer:
             return False
         t_step = now()
         agreed = self.group.agree(plan) if self.group is not None else None
+
+        def run_layers():
+            return self._run_layers(plan, agreed)
+
+        if self.graphs is None:
+            failure = run_layers()
+        else:
+            failure = self.graphs.run(
+                plan,
+                run_layers,
+                conn.settle_sends,
+                group_rows=agreed.rows if agreed is not None else None,
+                eager_only=self.eager_only(),
+            )
+        conn.finish_step(failure)
+        self.rows += sum(sum(rows) for rows in plan.rows)
+        self.trace.add("step", t_step, now())
+        self.steps += 1
+        self.failed_steps += failure is not None
+        return True
+
+    def _run_layers(self, plan, agreed: GroupStep | None) -> StepStatus | None:
+        """Every layer and micro-batch of the step: receive, compute, send; returns the
+        step's failure, if its compute raised."""
+        import torch
+
+        conn = self.connector
         n_mb = agreed.num_microbatches if agreed is not None else plan.num_microbatches
         # the receives this rank posts: a member of a group may compute micro-batches its
         # own peers did not announce (zero rows, nothing moves)
@@ -86,12 +116,7 @@ class FFNStepServer:
                     else:
                         out, failure = self._compute(plan.step, layer, mb, batch, failure)
                     conn.send_ffn_output(out, layer, mb)
-        conn.finish_step(failure)
-        self.rows += sum(sum(rows) for rows in plan.rows)
-        self.trace.add("step", t_step, now())
-        self.steps += 1
-        self.failed_steps += failure is not None
-        return True
+        return failure
 
     def _compute(self, step: int, layer: int, mb: int, batch: FFNBatch, failure):
         """One layer/micro-batch of this rank alone: (output rows, the step's failure)."""
@@ -153,12 +178,14 @@ class FFNStepServer:
     def _no_rows(self) -> FFNBatch:
         import torch
 
-        wire = self.connector.wire
+        wire, dev = self.connector.wire, self.connector.device
         return FFNBatch(
-            torch.empty(0, wire.hidden_size, dtype=getattr(torch, wire.dtype)),
-            torch.empty(0, wire.router_width, dtype=torch.float32) if wire.router_width else None,
+            torch.empty(0, wire.hidden_size, dtype=getattr(torch, wire.dtype), device=dev),
+            torch.empty(0, wire.router_width, dtype=getattr(torch, wire.router_dtype), device=dev)
+            if wire.router_width
+            else None,
             (),
-            torch.empty(0, dtype=torch.int64) if wire.token_ids else None,
+            torch.empty(0, dtype=torch.int64, device=dev) if wire.token_ids else None,
         )
 
     def serve(self, stop: threading.Event) -> None:

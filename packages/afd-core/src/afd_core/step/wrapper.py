@@ -23,6 +23,7 @@ from afd_core.connectors.base import AFDConnector
 from afd_core.connectors.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.attention import AttentionStepDriver
+from afd_core.step.graphs import GraphPhase, graph_phase
 from afd_core.step.microbatch import MicrobatchExecutor
 from afd_core.step.sequence_split import SequenceSplit
 from afd_core.step.split import MicrobatchSlice, SplitPolicy
@@ -52,9 +53,11 @@ class StepStats:
     # them over attention tensor parallel)
     tokens: int = 0
     rows: int = 0
+    by_graph: Counter = field(default_factory=Counter)  # steps by GraphPhase
 
     def as_dict(self) -> dict:
         return {
+            "by_graph": {p.value: n for p, n in self.by_graph.items()},
             "steps": self.steps,
             "tokens": self.tokens,
             "rows": self.rows,
@@ -90,6 +93,8 @@ class AttentionStepEngine:
         self._fail_next: str | None = None  # a drill: fail the next real step (see inject)
         self.driver = AttentionStepDriver(connector, MicrobatchExecutor(on_resume=self._resume))
         self._lock = threading.Lock()
+        # vLLM's CUDAGraphWrapper around the model (FULL_DECODE_ONLY on CUDA), else None
+        self.graph_wrapper = None
 
     def set_policy(self, policy: SplitPolicy) -> None:
         if policy.num_microbatches > self.max_microbatches:
@@ -132,6 +137,13 @@ class AttentionStepEngine:
                 + " into micro-batches"
             )
         fail, self._fail_next = (self._fail_next, None) if kind is StepKind.REAL else (None, None)
+        phase = graph_phase(ctx, self.graph_wrapper)
+        if split and phase is not GraphPhase.EAGER:
+            raise RuntimeError(
+                "AFD step wrapper: a step split into micro-batches ran under a device graph "
+                f"({phase.value}); start-up rejects micro-batching with graphs"
+            )
+        flags = kind.value | (ControlFlag.CAPTURE if phase is GraphPhase.CAPTURE else 0)
         if split:
             slices = _cover(plan, num_tokens)
             rows = tuple(self._rows(s.num_tokens) for s in slices)
@@ -148,7 +160,7 @@ class AttentionStepEngine:
             rows = (self._rows(num_tokens),)
             jobs = [_Job(model, (args, kwargs), None, fail)]
         try:
-            results = self.driver.run(rows, jobs, flags=kind.value)
+            results = self.driver.run(rows, jobs, flags=flags, replayed=phase is GraphPhase.REPLAY)
         except BaseException:
             with self._lock:
                 self.stats.failed += 1
@@ -160,6 +172,7 @@ class AttentionStepEngine:
         with self._lock:
             self.stats.steps += 1
             self.stats.by_kind[kind] += 1
+            self.stats.by_graph[phase] += 1
             if kind is StepKind.REAL:
                 self.stats.by_microbatches[len(rows)] += 1
                 self.stats.tokens += num_tokens

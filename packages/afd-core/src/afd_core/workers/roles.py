@@ -28,6 +28,7 @@ from afd_core.runtime import install_connector, install_sequence_split
 from afd_core.step.expert_group import ExpertGroup, expert_group_name
 from afd_core.step.ffn import FFNStepServer
 from afd_core.step.ffn_tp import TensorParallelFollower, TensorParallelLeader, tp_group_name
+from afd_core.step.graphs import FFNGraphCache, find_graph_wrapper
 from afd_core.step.sequence_split import SequenceSplit
 from afd_core.step.split import SplitPolicy
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
@@ -139,6 +140,8 @@ class AttentionRole(_Role):
             max_microbatches=max_microbatches,
             sequence_split=split,
         )
+        # outside vLLM's graph wrapper: the control message goes out before every replay
+        self.engine.graph_wrapper = find_graph_wrapper(model)
         runner.model = AFDStepWrapper(model, self.engine)
         runner.afd_engine = self.engine
 
@@ -187,7 +190,14 @@ class FFNRole(_Role):
     def steps(self) -> int:
         return self.server.steps if self.server else 0
 
-    def attach(self, model, forward_context: Callable[[], contextlib.AbstractContextManager]):
+    def attach(
+        self,
+        model,
+        forward_context: Callable[[], contextlib.AbstractContextManager],
+        graphs: FFNGraphCache | None = None,
+    ):
+        """Connect, join the TP / expert group, and build the step server (`graphs`: the
+        device-graph cache of whole steps, CUDA FULL_DECODE_ONLY)."""
         self.model = model
         self.forward_context = forward_context
         wire = make_wire_spec(self.vllm_config, model)
@@ -201,8 +211,15 @@ class FFNRole(_Role):
         if self.dp_size > 1:
             self.group = self._join_expert_group()
         self.server = FFNStepServer(
-            self.connector, model.ffn_layer_indices(), self._compute, forward_context, self.group
+            self.connector,
+            model.ffn_layer_indices(),
+            self._compute,
+            forward_context,
+            self.group,
+            graphs,
         )
+        # an armed failure drill must run in Python: a replayed graph cannot raise
+        self.server.eager_only = lambda: self._fail_next is not None
 
     def _side_transport(self, name: str, rank: int, size: int, what: str):
         # a member may wait for another, whose start-up waits for its attention peers
@@ -310,15 +327,31 @@ class FFNRole(_Role):
             out["tp_computations"] = self.tp_leader.shared
         if self.tp_follower is not None:
             out["tp_computations"] = self.tp_follower.computed
+        if self.server is not None and self.server.graphs is not None:
+            out["graphs"] = self.server.graphs.stats.as_dict()
         if self.group is not None:
             out["group_steps"] = self.group.steps
             out["group_zero_row_microbatches"] = self.group.zero_row_microbatches
         return out
 
-    def start(self, on_fatal: Callable[[BaseException | None], None]) -> None:
+    def start(
+        self,
+        on_fatal: Callable[[BaseException | None], None],
+        thread_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """Serve in a thread of its own; `thread_context` is entered in that thread first
+        (a device worker: the thread's device and its own stream)."""
         name = f"FFN rank {self.rank}" + (f" TP rank {self.tp_rank}" if self.tp_size > 1 else "")
 
         def loop():
+            try:
+                with thread_context():
+                    serve()
+            except BaseException as exc:  # noqa: BLE001 - the thread's device set-up failed
+                logger.error("AFD %s could not start serving: %s", name, exc, exc_info=True)
+                on_fatal(exc)
+
+        def serve():
             try:
                 if self.tp_follower is not None:
                     self.tp_follower.serve(self._follow, self._stop)

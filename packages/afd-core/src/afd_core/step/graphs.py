@@ -1,0 +1,163 @@
+"""Device graphs (CUDA FULL_DECODE_ONLY) on both sides of a step.
+
+Attention side: vLLM's `CUDAGraphWrapper` captures the model forward once per batch
+descriptor and replays it after; AFD's step wrapper sits outside it, so the control
+message (with the padded row count the graph was captured for) goes out before every
+forward, captured or not. `graph_phase` tells, before the forward, what the wrapper is
+about to do: a capture is announced with the CAPTURE flag (the FFN rank captures the same
+key), and after a replay, where none of the exchange's Python ran, the connector is told
+the step's layers were exchanged (`mark_exchanged`).
+
+FFN side: `FFNGraphCache` captures the step's layers x micro-batches loop (receives,
+compute, sends) when a peer announces a capture, keyed by the rows per peer per
+micro-batch (and an expert group's rows per member), replays a known key, and runs an
+unknown key eagerly. The receive buffers are allocated once (fixed addresses), and the
+sends are joined into the captured stream before the capture ends.
+
+`GraphBackend` is the seam the tests swap (CUDA: `CudaGraphBackend`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from afd_core.connectors.base import StepPlan
+from afd_core.connectors.control import ControlFlag
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+# the graph modes AFD runs on CUDA (vLLM's CUDAGraphMode names)
+SUPPORTED_GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+MAX_FFN_GRAPHS = 256  # keys per FFN rank; past it, unknown keys run eagerly
+
+
+class GraphPhase(enum.Enum):
+    EAGER = "eager"
+    CAPTURE = "capture"
+    REPLAY = "replay"
+
+
+def find_graph_wrapper(model) -> Any | None:
+    """vLLM's CUDAGraphWrapper around the attention model, if the runner made one."""
+    return model if hasattr(model, "concrete_cudagraph_entries") else None
+
+
+def graph_phase(forward_context, wrapper) -> GraphPhase:
+    """What `wrapper` (vLLM's CUDAGraphWrapper) does on the forward about to run: the same
+    decision its __call__ makes, read before it runs."""
+    if wrapper is None:
+        return GraphPhase.EAGER
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    if mode is None or not mode or mode != wrapper.runtime_mode:
+        return GraphPhase.EAGER
+    entry = wrapper.concrete_cudagraph_entries.get(forward_context.batch_descriptor)
+    if entry is not None and entry.cudagraph is not None:
+        return GraphPhase.REPLAY
+    return GraphPhase.CAPTURE
+
+
+class GraphBackend:
+    """Capture a function into a replayable graph, and replay it."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        raise NotImplementedError
+
+    def replay(self, graph: Any) -> None:
+        raise NotImplementedError
+
+
+class CudaGraphBackend(GraphBackend):
+    """torch.cuda graphs sharing one memory pool, captured on the calling thread's
+    current stream (the FFN serving thread's own)."""
+
+    def __init__(self):
+        import torch
+
+        self._torch = torch
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn):
+        torch = self._torch
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: the FFN process's other threads (control listeners, the transport's
+        # watchdog) go on while this thread captures
+        with torch.cuda.graph(
+            graph,
+            pool=self._pool,
+            stream=torch.cuda.current_stream(),
+            capture_error_mode="thread_local",
+        ):
+            fn()
+        return graph
+
+    def replay(self, graph) -> None:
+        graph.replay()
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0
+    replayed: int = 0
+    eager: int = 0
+
+    def as_dict(self) -> dict:
+        return {"captured": self.captured, "replayed": self.replayed, "eager": self.eager}
+
+
+def graph_key(plan: StepPlan, group_rows: tuple | None = None) -> tuple:
+    """What a captured FFN step depends on: rows per peer per micro-batch, and over an
+    expert group the rows of every member per micro-batch (its collectives' sizes)."""
+    return (plan.rows, group_rows)
+
+
+class FFNGraphCache:
+    """FFN side: capture on a peer's CAPTURE flag, replay a known key, else eager."""
+
+    def __init__(self, backend: GraphBackend, max_graphs: int = MAX_FFN_GRAPHS):
+        self.backend = backend
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, Any] = {}
+        self.stats = GraphStats()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(
+        self,
+        plan: StepPlan,
+        run_layers: Callable[[], Any],
+        settle: Callable[[], None],
+        group_rows: tuple | None = None,
+        eager_only: bool = False,
+    ) -> Any:
+        """Run the step's layers (`run_layers`, which returns the step's failure or None)
+        as the key allows; `settle` joins the step's sends (called inside a capture)."""
+        key = graph_key(plan, group_rows)
+        graph = None if eager_only else self._graphs.get(key)
+        if graph is not None:
+            self.backend.replay(graph)
+            self.stats.replayed += 1
+            return None
+        if (
+            not eager_only
+            and plan.flags & ControlFlag.CAPTURE
+            and len(self._graphs) < self.max_graphs
+        ):
+            result: list = []
+
+            def body():
+                result.append(run_layers())
+                settle()
+
+            self._graphs[key] = self.backend.capture(body)
+            self.stats.captured += 1
+            if result and result[0] is not None:
+                # a compute error while capturing: the graph would replay it
+                del self._graphs[key]
+            return result[0] if result else None
+        self.stats.eager += 1
+        return run_layers()
