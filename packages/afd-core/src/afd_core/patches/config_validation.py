@@ -20,8 +20,13 @@ socket exists. For a config with an `afd` key it:
   process receives, and vLLM's flags are turned off, because AFD's step engine does the
   splitting; a flag that cannot apply (DBO on an FFN server, m out of 1..4, thresholds
   below m, a conflicting m) stops start-up;
-* rejects what AFD cannot run yet: speculative decoding, a model architecture without an AFD wrapper (listing those registered), the gate on
-  attention for a wrapper that cannot run it.
+* rejects what AFD cannot run yet: speculative decoding, a model architecture without an
+  AFD wrapper (listing those registered), the gate on attention for a wrapper that cannot
+  run it; on CUDA (`validate_cuda`): a graph mode other than FULL_DECODE_ONLY or none,
+  vLLM's V2 model runner, micro-batching together with graphs, FFN tensor parallel.
+
+Installed on the current platform's class: CpuPlatform on CPU, CudaPlatformBase on CUDA
+(vllm.platforms.cuda imports only where CUDA's kernels are built, so never on the other).
 
 Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 """
@@ -40,7 +45,10 @@ INFO = PatchInfo(
     name="config_validation",
     why="validate the afd config, map worker class 'auto' to the AFD role worker, and take "
     "over vLLM's DBO flags for AFD's micro-batching",
-    replaces=("vllm.platforms.cpu.CpuPlatform.check_and_update_config",),
+    replaces=(
+        "vllm.platforms.cpu.CpuPlatform.check_and_update_config",
+        "vllm.platforms.cuda.CudaPlatformBase.check_and_update_config",
+    ),
     remove_when="vLLM lets a plugin choose the worker class per config (no such hook in 0.32)",
 )
 
@@ -148,10 +156,49 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
         validate_expert_group(afd, pc, device_type)
     from vllm.config import CompilationMode
 
+    if device_type == "cuda":
+        validate_cuda(afd, vllm_config)
     if device_type == "cpu" and vllm_config.compilation_config.mode != CompilationMode.NONE:
         raise AFDDeploymentError(
             "AFD on CPU runs the model eagerly (the layer exchange is Python code that "
             "torch.compile must not trace): add --enforce-eager"
+        )
+
+
+def validate_cuda(afd, vllm_config) -> None:
+    """What the CUDA path does not run yet, each with its alternative."""
+    from afd_core.step.graphs import SUPPORTED_GRAPH_MODES
+
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise AFDDeploymentError(
+            "AFD on CUDA runs vLLM's V1 GPU model runner; vLLM chose its V2 runner here: "
+            "set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    mode = vllm_config.compilation_config.cudagraph_mode
+    name = getattr(mode, "name", "NONE")
+    if name not in SUPPORTED_GRAPH_MODES:
+        raise AFDDeploymentError(
+            f"AFD on CUDA: cudagraph_mode={name} is not supported (vLLM's default is "
+            "FULL_AND_PIECEWISE); allowed: FULL_DECODE_ONLY (pass --compilation-config "
+            '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\') or none (--enforce-eager)'
+        )
+    pc = vllm_config.parallel_config
+    if afd.is_ffn and pc.tensor_parallel_size > 1:
+        raise AFDDeploymentError(
+            f"AFD on CUDA: an FFN server with --tensor-parallel-size="
+            f"{pc.tensor_parallel_size} is not supported yet (its TP rank 0 forwards the rows "
+            "to the others in CPU buffers); allowed: --tensor-parallel-size 1, with "
+            "--data-parallel-size N for N FFN ranks as one expert group"
+        )
+
+
+def validate_cuda_microbatches(m: int, vllm_config) -> None:
+    mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
+    if m > 1 and mode != "NONE":
+        raise AFDDeploymentError(
+            f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode} is "
+            "not supported yet (a captured step is one micro-batch); allowed: DBO with "
+            "--enforce-eager, or graphs without DBO"
         )
 
 
@@ -241,6 +288,8 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
         validate_model(afd, vllm_config)
         pc = vllm_config.parallel_config
         m = resolve_microbatches(afd, pc)
+        if cls.device_type == "cuda":
+            validate_cuda_microbatches(m, vllm_config)
         pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, afd.role)
         if afd.is_attention:
             vllm_config.additional_config[AFD_KEY]["num_microbatches"] = m
@@ -259,15 +308,36 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
     original(vllm_config)
 
 
-def apply() -> tuple[StepStatus, str]:
-    require_supported_vllm(INFO.name)
-    from vllm.platforms.cpu import CpuPlatform
+# the class whose check_and_update_config is wrapped, per platform device type
+PLATFORM_CLASSES = {
+    "cpu": ("vllm.platforms.cpu", "CpuPlatform"),
+    "cuda": ("vllm.platforms.cuda", "CudaPlatformBase"),
+}
 
-    original = CpuPlatform.check_and_update_config  # bound classmethod
+
+def install_on(platform_cls) -> None:
+    """Wrap `platform_cls.check_and_update_config` (a classmethod); once per class."""
+    original = platform_cls.check_and_update_config  # bound classmethod
 
     def check_and_update_config(cls, vllm_config):
         return _check_and_update_config(original, cls, vllm_config)
 
     check_and_update_config.__afd_patch__ = INFO.name
-    replace_attr(CpuPlatform, "check_and_update_config", classmethod(check_and_update_config))
+    replace_attr(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+
+
+def apply() -> tuple[StepStatus, str]:
+    require_supported_vllm(INFO.name)
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    device = current_platform.device_type
+    if device not in PLATFORM_CLASSES:
+        return StepStatus.SKIPPED, (
+            f"platform {device!r}: its own config patch applies (Ascend: afd-npu), or AFD "
+            f"does not run there (supported: {', '.join(PLATFORM_CLASSES)}, npu)"
+        )
+    module, name = PLATFORM_CLASSES[device]
+    install_on(getattr(importlib.import_module(module), name))
     return StepStatus.APPLIED, ""

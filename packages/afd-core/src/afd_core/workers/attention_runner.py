@@ -1,6 +1,6 @@
 """The AFD attention model runner: vLLM's runner, plus four narrow overrides.
 
-Mixed into the platform's runner class (CPU now; CUDA and Ascend later). vLLM 0.32's own
+Mixed into the platform's runner class (CPU and CUDA; Ascend later). vLLM 0.32's own
 micro-batching is CUDA-only and decides to split only under data parallelism; AFD decides
 per step and per rank instead:
 
@@ -24,6 +24,7 @@ import contextlib
 from afd_core.connectors.base import AFDStepError
 from afd_core.log import get_logger
 from afd_core.step.attention import STEP_FAILURE_ATTR
+from afd_core.step.graphs import find_graph_wrapper
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine, StepKind
 
 logger = get_logger(__name__)
@@ -109,7 +110,12 @@ class AFDAttentionRunnerMixin:
 
     def get_model(self):
         model = super().get_model()
-        return model.unwrap() if isinstance(model, AFDStepWrapper) else model
+        if isinstance(model, AFDStepWrapper):
+            model = model.unwrap()
+            # vLLM's graph wrapper sits inside AFD's, where vLLM's get_model cannot see it
+            if find_graph_wrapper(model) is not None:
+                model = model.unwrap()
+        return model
 
 
 @contextlib.contextmanager

@@ -2,139 +2,23 @@
 
 from __future__ import annotations
 
-from vllm.distributed import get_tensor_model_parallel_rank
-from vllm.forward_context import set_forward_context
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.worker_base import CompilationTimes
 
-from afd_core.config import require_afd_config
-from afd_core.connectors.control import MAX_MICROBATCHES
-from afd_core.log import get_logger
-from afd_core.step.split import SplitPolicy
 from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
-from afd_core.workers.roles import (
-    AttentionRole,
-    FFNRole,
-    afd_architecture,
-    terminate_this_process,
-)
-from afd_core.workers.selection import assert_compatible_afd_stack
-
-logger = get_logger(__name__)
+from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
 
 
 class AFDCPUAttentionModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
     """vLLM's CPU model runner with AFD's step planning (see AFDAttentionRunnerMixin)."""
 
 
-class _AFDWorker(CPUWorker):
-    """What both CPU role workers do around vLLM's CPU worker."""
+class AFDCPUAttentionWorker(AttentionWorkerMixin, CPUWorker):
+    """vLLM's CPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
 
-    afd = None  # the AttentionRole / FFNRole, set in load_model
-
-    def init_device(self):
-        assert_compatible_afd_stack(self.vllm_config, self)
-        super().init_device()
-
-    def shutdown(self) -> None:
-        if self.afd is not None:
-            self.afd.close()
-        super().shutdown()
+    vllm_runner_cls = CPUModelRunner
+    afd_runner_cls = AFDCPUAttentionModelRunner
 
 
-class AFDCPUAttentionWorker(_AFDWorker):
-    """A normal CPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
-
-    def init_device(self):
-        afd = require_afd_config(self.vllm_config)
-        # vLLM builds one attention-metadata builder per micro-batch it may run; with DBO
-        # on, build them for up to 4 so the count can also change at run time. vLLM's own
-        # micro-batching stays off (enable_dbo), AFD's runner does the splitting.
-        self.max_microbatches = MAX_MICROBATCHES if (afd.num_microbatches or 1) > 1 else 1
-        if self.max_microbatches > 1:
-            self.parallel_config.ubatch_size = self.max_microbatches
-        super().init_device()
-        if type(self.model_runner) is not CPUModelRunner:
-            raise RuntimeError(
-                f"AFD attention worker: vLLM built {type(self.model_runner).__name__}, AFD "
-                "supports vLLM's V1 CPUModelRunner (set VLLM_USE_V2_MODEL_RUNNER=0)"
-            )
-        # AFD's runner only overrides methods: make vLLM's runner one, in place
-        self.model_runner.__class__ = AFDCPUAttentionModelRunner
-
-    def load_model(self, *args, **kwargs) -> None:
-        with afd_architecture(self.model_config):
-            super().load_model(*args, **kwargs)
-        self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
-        self.afd.attach(self.model_runner, self.max_microbatches)
-
-    # -- reachable through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) -----------------
-    def afd_step_stats(self) -> dict:
-        """What this attention rank ran: steps by kind and by number of micro-batches."""
-        engine = self.afd.engine
-        return {"rank": self.afd.rank, "policy": str(engine.policy), **engine.stats.as_dict()}
-
-    def afd_set_microbatching(
-        self,
-        num_microbatches: str,
-        decode_token_threshold: str = "",
-        prefill_token_threshold: str = "",
-    ) -> dict:
-        """Change m (1..4, up to what the server was started for) and the thresholds."""
-        engine = self.afd.engine
-        old = engine.policy
-        engine.set_policy(
-            SplitPolicy(
-                num_microbatches=int(num_microbatches),
-                decode_token_threshold=int(decode_token_threshold or old.decode_token_threshold),
-                prefill_token_threshold=int(prefill_token_threshold or old.prefill_token_threshold),
-            )
-        )
-        return self.afd_step_stats()
-
-    def afd_inject_step_failure(self, reason: str = "drill") -> str:
-        """Make the next real step fail on this rank (drills and tests): its requests get
-        an error and the deployment goes on."""
-        self.afd.engine.inject_failure(reason)
-        return f"attention rank {self.afd.rank}: the next step fails ({reason})"
-
-
-class AFDCPUFFNWorker(_AFDWorker):
-    """Holds only MLP/MoE weights and no KV cache; a thread serves the attention ranks."""
-
-    def load_model(self, *args, **kwargs) -> None:
-        with afd_architecture(self.model_config):
-            super().load_model(*args, **kwargs)
-        self.afd = FFNRole(self.vllm_config, get_tensor_model_parallel_rank())
-        self.afd.attach(
-            self.model_runner.model, lambda: set_forward_context(None, self.vllm_config)
-        )
-        self.afd.start(on_fatal=terminate_this_process)
-
-    def get_kv_cache_spec(self):
-        return {}  # an attention-free engine: vLLM then allocates and schedules nothing
-
-    def initialize_from_config(self, kv_cache_config) -> None:
-        return None
-
-    def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=0.0, encoder=0.0)
-
-    def execute_model(self, *args, **kwargs):
-        raise RuntimeError(
-            "AFD FFN worker: this server computes the FFN half for its attention servers and "
-            "runs no requests of its own; send requests to an attention server"
-        )
-
-    sample_tokens = execute_model
-
-    # -- reachable through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) -----------------
-    def afd_step_stats(self) -> dict:
-        return self.afd.stats()
-
-    def afd_inject_step_failure(self, layer: str = "0", reason: str = "drill") -> str:
-        """Make the next step's FFN compute fail at `layer` (drills and tests; with tensor
-        parallelism TP rank 0 decides for its group)."""
-        self.afd.inject_failure(int(layer), reason)
-        return f"FFN rank {self.afd.rank}: the next step fails at layer {layer} ({reason})"
+class AFDCPUFFNWorker(FFNWorkerMixin, CPUWorker):
+    """vLLM's CPU worker holding only MLP/MoE weights; a thread serves the attention ranks."""

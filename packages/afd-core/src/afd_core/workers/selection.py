@@ -5,6 +5,8 @@ from __future__ import annotations
 WORKERS = {
     ("cpu", "attention"): "afd_core.workers.cpu_worker.AFDCPUAttentionWorker",
     ("cpu", "ffn"): "afd_core.workers.cpu_worker.AFDCPUFFNWorker",
+    ("cuda", "attention"): "afd_core.workers.cuda_worker.AFDCUDAAttentionWorker",
+    ("cuda", "ffn"): "afd_core.workers.cuda_worker.AFDCUDAFFNWorker",
 }
 
 
