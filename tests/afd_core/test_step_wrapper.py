@@ -238,3 +238,14 @@ def test_a_split_step_under_a_graph_is_refused(setup):
             batch_descriptor=BatchDescriptor(num_tokens=8),
         )
     assert setup.conn.steps == []
+
+
+def test_the_wrapper_passes_attributes_through_even_model():
+    """`runner.model.model` is the model's decoder stack through AFD's wrapper, as through
+    vLLM's own wrappers (vLLM-Ascend's layer-index check reads `model.model.start_layer`)."""
+    from afd_core.step.wrapper import AFDStepWrapper
+
+    inner = SimpleNamespace(model=SimpleNamespace(start_layer=0), compute_logits="logits")
+    wrapper = AFDStepWrapper(inner, engine=None)
+    assert wrapper.model is inner.model and wrapper.model.start_layer == 0
+    assert wrapper.compute_logits == "logits" and wrapper.unwrap() is inner

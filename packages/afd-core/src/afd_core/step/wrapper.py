@@ -287,15 +287,17 @@ class AFDStepWrapper:
     and UBatchWrapper): calls go through the AFD step engine, attributes to the model."""
 
     def __init__(self, model, engine: AttentionStepEngine):
-        self.model = model
+        # not `self.model`: that name must reach the model's own `.model` (its decoder
+        # stack), as through vLLM's wrappers; vLLM-Ascend reads `runner.model.model`
+        self._afd_model = model
         self.engine = engine
 
     def __call__(self, *args, **kwargs):
-        return self.engine.forward(self.model, args, kwargs)
+        return self.engine.forward(self._afd_model, args, kwargs)
 
     def __getattr__(self, name: str):
         # only reached for attributes the wrapper itself does not have
-        return getattr(self.__dict__["model"], name)
+        return getattr(self.__dict__["_afd_model"], name)
 
     def unwrap(self):
-        return self.model
+        return self._afd_model
