@@ -112,6 +112,9 @@ class HostRuntime(DeviceRuntime):
         self.waits += 1
         event.wait_host(check)
 
+    def run_on(self, stream, fn) -> None:
+        stream.enqueue(fn)
+
 
 class OrderedGlooComm:
     def __init__(self, pg):
@@ -149,7 +152,7 @@ class OrderedGlooFactory:
     def unique_id(self) -> bytes:
         return uuid.uuid4().bytes
 
-    def connect(self, unique_id: bytes, rank: int, size: int, device) -> OrderedGlooComm:
+    def connect(self, unique_id: bytes, rank: int, size: int, device, store=None):
         import torch.distributed as dist
 
         store = dist.TCPStore(self.host, self.port, None, False, wait_for_workers=False)
@@ -171,6 +174,22 @@ def nccl_standin_connector(cfg, rank, wire):
     return NcclConnector(
         cfg, rank, wire, runtime=HostRuntime(), comm_factory=OrderedGlooFactory(cfg.host, cfg.port)
     )
+
+
+def gloo_backend(store, rank: int, size: int, timeout_s: float, name: str):
+    """A gloo process group where the HCCL connector builds a ProcessGroupHCCL: the same
+    torch.distributed backend calls; the connector passes one tag, so operations match in
+    issue order, as HCCL's do."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
+def hccl_standin_connector(cfg, rank, wire):
+    """afd-npu's HcclConnector over a host runtime and gloo (cfg names connector 'hccl')."""
+    from afd_npu.connectors.hccl import HcclConnector
+
+    return HcclConnector(cfg, rank, wire, runtime=HostRuntime(), new_backend=gloo_backend)
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> bool:

@@ -61,6 +61,11 @@ class DeviceRuntime(ABC):
         if the channel was aborted meanwhile (a runtime whose wait blocks polls it)."""
         self.current_stream().wait_event(event)
 
+    def run_on(self, stream, fn: Callable[[], None]) -> None:
+        """Run `fn` with `stream` current, so what it enqueues runs on that stream (for
+        communicators that take no stream argument, like torch.distributed backends)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make a stream current")
+
 
 class CudaRuntime(DeviceRuntime):
     def __init__(self, device):
@@ -80,6 +85,10 @@ class CudaRuntime(DeviceRuntime):
 
     def is_capturing(self) -> bool:
         return self._torch.cuda.is_current_stream_capturing()
+
+    def run_on(self, stream, fn: Callable[[], None]) -> None:
+        with self._torch.cuda.stream(stream):
+            fn()
 
     def thread_init(self) -> None:
         """Put this thread's stream-capture mode to thread-local: vLLM captures its graphs in

@@ -1,0 +1,200 @@
+"""A data channel of device point-to-point communicators, for every accelerator: NCCL on
+CUDA (`nccl.py`), HCCL on Ascend (afd-npu). The rendezvous store and the CPU control
+channel are the shared `StoreTransport`'s; only the communicator and the device runtime
+differ per platform.
+
+Each group (one FFN rank and its attention peers) gets two communicators, one per direction
+(`to_first`: attention -> FFN, `from_first`: FFN -> attention), each driven on a stream of
+its own: a receive enqueued before a send on one stream would hold the send back until the
+peer answered, which deadlocks as soon as micro-batches overlap. Device communicators match
+point-to-point operations in issue order per peer, not by tag: the protocol issues every
+data operation in the same order on both sides and keeps its status message on the control
+channel (docs/protocol.md), so the tags the protocol passes are not needed here.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Protocol
+
+from afd_core.connectors.device import ChannelAborted, DeviceHandle, DeviceRuntime, Watchdog
+from afd_core.connectors.p2p import PointToPointConnector
+from afd_core.connectors.rendezvous import StoreTransport
+from afd_core.connectors.transport import Handle, Transport, TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class DeviceComm(Protocol):
+    """One communicator of a group: point-to-point operations enqueued on a stream."""
+
+    def send(self, tensor, peer: int, stream) -> None: ...
+
+    def recv(self, tensor, peer: int, stream) -> None: ...
+
+    def abort(self) -> None:
+        """Make every enqueued operation return (after a timeout); the communicator is
+        unusable afterwards."""
+
+
+class CommFactory(Protocol):
+    def unique_id(self) -> bytes:
+        """A new communicator id (group rank 0 mints it, the others read it)."""
+
+    def connect(self, unique_id: bytes, rank: int, size: int, device, store=None) -> DeviceComm:
+        """Join the communicator; returns when all `size` ranks joined (or, for a
+        communicator created lazily, when its first operation runs). `store`: the
+        group's rendezvous store, for communicators built on one."""
+
+
+DIRECTIONS = ("to_first", "from_first")  # attention -> FFN (group rank 0), and back
+
+
+class DeviceTransport(StoreTransport):
+    channel = "device"  # the communicator's name in error messages (NCCL, HCCL)
+
+    def __init__(self, *args, runtime: DeviceRuntime, comm_factory: CommFactory, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runtime = runtime
+        self._factory = comm_factory
+        self._comms: dict[str, DeviceComm] = {}
+        self._send_comm = self._recv_comm = None
+        self._send_stream = self._recv_stream = None
+        self._watchdog: Watchdog | None = None
+        self._failure: str | None = None
+
+    def _connect_data(self, prefix: str) -> None:
+        for direction in DIRECTIONS:  # the same order on every member: each join waits
+            key = f"{prefix}/{self.channel.lower()}/{direction}"
+            if self.group_rank == 0:
+                self._store.set(key, self._factory.unique_id())
+            uid = self._store.get(key)
+            self._comms[direction] = self._factory.connect(
+                uid, self.group_rank, self.group_size, self.runtime.device, store=self._store
+            )
+        first = self.group_rank == 0
+        self._send_comm = self._comms["from_first" if first else "to_first"]
+        self._recv_comm = self._comms["to_first" if first else "from_first"]
+        self._send_stream = self.runtime.new_stream()
+        self._recv_stream = self.runtime.new_stream()
+        self._watchdog = Watchdog(
+            f"afd-g{self.group}-r{self.group_rank}", self._expired, self.runtime.thread_init
+        )
+
+    def _expired(self, what: str, timeout_s: float) -> None:
+        self._failure = (
+            f"{what}: no answer within {timeout_s:.0f}s; the {self.channel} data channel was "
+            "aborted (the peer stopped, or the two sides are out of step)"
+        )
+        logger.error("AFD group %s: %s", self.group, self._failure)
+        self._abort_comms()
+
+    def _abort_comms(self) -> None:
+        for comm in self._comms.values():
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - going down anyway
+                logger.debug("AFD: %s abort failed", self.channel, exc_info=True)
+        self._comms.clear()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise ChannelAborted(self._failure)
+        if self._send_comm is None:
+            raise TransportError(
+                f"the {self.channel} data channel is not connected (or already closed)"
+            )
+
+    def _post(self, comm, stream, tensor, peer: int, what: str, send: bool) -> Handle:
+        self._check()
+        runtime = self.runtime
+        # the operation runs after everything the caller enqueued so far (the rows are
+        # computed, the receive buffer is free)
+        stream.wait_stream(runtime.current_stream())
+        try:
+            (comm.send if send else comm.recv)(tensor, peer, stream)
+        except Exception as exc:
+            raise TransportError(f"{what}: {self.channel} {type(exc).__name__}: {exc}") from None
+        event = runtime.new_event()
+        event.record(stream)
+        if not runtime.is_capturing():
+            # a captured operation runs at replay, where no Python runs: the step's status
+            # (control channel, bounded) is what notices a stuck replay
+            runtime.record_stream(tensor, stream)
+            self._watchdog.watch(event, what, self.timeout_s)
+        return DeviceHandle(runtime, event, self._check)
+
+    def isend(self, tensor, peer: int, tag: int) -> Handle:
+        return self._post(
+            self._send_comm, self._send_stream, tensor, peer, f"send to group rank {peer}", True
+        )
+
+    def irecv(self, tensor, peer: int, tag: int) -> Handle:
+        return self._post(
+            self._recv_comm,
+            self._recv_stream,
+            tensor,
+            peer,
+            f"receive from group rank {peer}",
+            False,
+        )
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._abort_comms()
+        self._send_comm = self._recv_comm = None
+        super().close()
+
+
+class DeviceConnector(PointToPointConnector):
+    """The point-to-point AFD protocol over a DeviceTransport: a platform's connector names
+    its channel and gives its default runtime and communicator factory. `runtime` and
+    `comm_factory` override them (the tests pass host stand-ins)."""
+
+    name = "device"  # the connector's registry name
+    channel = "device"
+    fixed_receive_buffers = True  # stable addresses for captured graphs
+
+    def __init__(self, config, role_rank: int, wire, runtime=None, comm_factory=None):
+        super().__init__(config, role_rank, wire)
+        self._runtime = runtime
+        self._comm_factory = comm_factory
+
+    @abstractmethod
+    def default_runtime(self) -> DeviceRuntime:
+        """This process's device (built on first use: a config check touches no device)."""
+
+    @abstractmethod
+    def default_comm_factory(self) -> CommFactory: ...
+
+    @property
+    def runtime(self) -> DeviceRuntime:
+        if self._runtime is None:
+            self._runtime = self.default_runtime()
+        return self._runtime
+
+    @property
+    def comm_factory(self) -> CommFactory:
+        if self._comm_factory is None:
+            self._comm_factory = self.default_comm_factory()
+        return self._comm_factory
+
+    @property
+    def device(self):
+        return self.runtime.device
+
+    def new_transport(self, *args, **kwargs) -> Transport:
+        transport = DeviceTransport(
+            *args, runtime=self.runtime, comm_factory=self.comm_factory, **kwargs
+        )
+        transport.channel = self.channel
+        return transport
+
+    def check_tensor(self, tensor) -> None:
+        if tensor.device != self.device:
+            raise ValueError(
+                f"connector {self.name!r} moves tensors on {self.device}, got a tensor on "
+                f"{tensor.device}"
+            )
