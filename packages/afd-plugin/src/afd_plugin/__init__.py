@@ -122,6 +122,9 @@ def register_afd() -> None:
             reason = "afd-npu is not installed; AFD on Ascend needs pip install 'afd-plugin[npu]'"
             reg.record(reg.STEP_ASCEND_CONFIG, reg.StepStatus.FAILED, reason)
             _logger.warning("AFD plugin: %s", reason)
+            from afd_core.patches.config_validation import refuse_afd_on
+
+            refuse_afd_on(type(current_platform), reason)
         else:
             status, reason = apply_afd_ascend_config_patch()
             reg.record(reg.STEP_ASCEND_CONFIG, status, reason)

@@ -36,6 +36,15 @@ def resolve_deferred_steps() -> list[str]:
     return problems
 
 
+def _ascend_patch_info():
+    """afd-npu's Ascend config patch (applied only on an NPU platform), or None."""
+    try:
+        from afd_npu.patches.ascend_config import INFO
+    except ImportError:
+        return None
+    return INFO
+
+
 def collect() -> dict:
     """Everything the report shows, as data (tests read this)."""
     from afd_core import registration as reg
@@ -96,6 +105,15 @@ def collect() -> dict:
             "reason": rec.reason if rec else "",
             "why": meta.why,
             "replaces": list(meta.replaces),
+        }
+    ascend = _ascend_patch_info()
+    if ascend is not None:  # afd-npu installed: its patch is listed wherever doctor runs
+        rec = steps.get(reg.STEP_ASCEND_CONFIG)
+        report["patches"][ascend.name] = {
+            "status": rec.status.value if rec else "not run",
+            "reason": rec.reason if rec else "",
+            "why": ascend.why,
+            "replaces": list(ascend.replaces),
         }
     report["models"] = models
     device = report["platform"]

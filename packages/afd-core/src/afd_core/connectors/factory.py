@@ -13,5 +13,16 @@ def build_connector(config: AFDConfig, role_rank: int, wire: WireSpec) -> AFDCon
     """Construct (not yet connect) the connector; validates the rank against the topology."""
     spec = connector_spec(config.connector)
     module, cls = spec.target.split(":")
-    connector_cls = getattr(importlib.import_module(module), cls)
-    return connector_cls(config, role_rank, wire)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        package = module.split(".")[0]
+        if exc.name != package:
+            raise
+        extra = {"afd_npu": "npu"}.get(package, package)
+        raise ModuleNotFoundError(
+            f"connector {spec.name!r} lives in {package.replace('_', '-')}, which is not "
+            f"installed: pip install 'afd-plugin[{extra}]'",
+            name=package,
+        ) from None
+    return getattr(imported, cls)(config, role_rank, wire)

@@ -38,3 +38,8 @@ class GlooOptions(BaseModel):
 class NcclOptions(GlooOptions):
     """Options of the CUDA NCCL connector: the same bounds. A data operation not done
     within timeout_s aborts the NCCL channel (the watchdog) and names the peer."""
+
+
+class HcclOptions(GlooOptions):
+    """Options of the Ascend HCCL connector (afd-npu): the same bounds. A data operation
+    not done within timeout_s aborts the HCCL channel (the watchdog) and names the peer."""

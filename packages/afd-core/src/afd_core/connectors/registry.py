@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from afd_core.connectors.options import GlooOptions, NcclOptions
+from afd_core.connectors.options import GlooOptions, HcclOptions, NcclOptions
 from afd_core.errors import AFDConfigError
 from afd_core.topology import validate_point_to_point
 
@@ -94,6 +94,16 @@ _SPECS: dict[str, ConnectorSpec] = {
         description="CUDA tensors over NCCL point-to-point (vLLM's PyNccl), one communicator "
         "per direction; control on a CPU gloo channel",
         options=NcclOptions,
+        extra_rules=_lockstep_rules,
+    ),
+    "hccl": ConnectorSpec(
+        name="hccl",
+        # in afd-npu (pip install "afd-plugin[npu]"): afd-core imports nothing of Ascend's
+        target="afd_npu.connectors.hccl:HcclConnector",
+        device_types=("npu",),
+        description="Ascend NPU tensors over HCCL point-to-point (torch_npu's "
+        "ProcessGroupHCCL), one communicator per direction; control on a CPU gloo channel",
+        options=HcclOptions,
         extra_rules=_lockstep_rules,
     ),
 }

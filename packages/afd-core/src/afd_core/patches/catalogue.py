@@ -54,6 +54,16 @@ def replace_attr(owner: Any, name: str, new: Any) -> Any:
         return orig
 
 
+def restore_attr(owner: Any, name: str) -> bool:
+    """Undo replace_attr(owner, name, ...): vLLM's attribute back; False if not patched."""
+    with _lock:
+        key = (id(owner), name)
+        if key not in _originals:
+            return False
+        setattr(owner, name, _originals.pop(key))
+        return True
+
+
 def install(info: PatchInfo, owner: Any, name: str, new: Any) -> None:
     """Replace owner.name by `new` (marked as this patch's) and record the patch applied."""
     new.__afd_patch__ = info.name

@@ -276,36 +276,66 @@ def _prefix_caching_off(vllm_config) -> None:
         cache.mamba_block_size = vllm_config.model_config.max_model_len
 
 
-def _check_and_update_config(original, cls, vllm_config) -> None:
+def prepare_afd_config(device_type: str, vllm_config):
+    """Everything this patch checks and decides before the platform's own hook, except the
+    worker class: (the afd config, micro-batches per step), or None without an `afd` key.
+    Ascend's patch (afd-npu) calls it too, then picks the worker after vLLM-Ascend's hook."""
     from afd_core.config import parse_optional_afd_config
     from afd_core.registration import assert_steps_ok_for
+
+    afd = parse_optional_afd_config(vllm_config.additional_config, device_type=device_type)
+    if afd is None:
+        return None
+    assert_steps_ok_for(afd)
+    validate_deployment(afd, vllm_config, device_type)
+    validate_model(afd, vllm_config)
+    pc = vllm_config.parallel_config
+    m = resolve_microbatches(afd, pc)
+    if device_type == "cuda":
+        validate_cuda_microbatches(m, vllm_config)
+    if afd.is_attention:
+        vllm_config.additional_config[AFD_KEY]["num_microbatches"] = m
+        if m > 1:
+            logger.info(
+                "AFD: %d micro-batches per step above %d decode / %d prefill tokens",
+                m,
+                pc.dbo_decode_token_threshold,
+                pc.dbo_prefill_token_threshold,
+            )
+    # AFD's step engine splits steps; vLLM's micro-batching stays off
+    pc.enable_dbo = False
+    pc.ubatch_size = 0
+    if afd.is_ffn:
+        _prefix_caching_off(vllm_config)
+    return afd, m
+
+
+def _check_and_update_config(original, cls, vllm_config) -> None:
     from afd_core.workers.selection import resolve_worker_cls
 
-    afd = parse_optional_afd_config(vllm_config.additional_config, device_type=cls.device_type)
-    if afd is not None:
-        assert_steps_ok_for(afd)
-        validate_deployment(afd, vllm_config, cls.device_type)
-        validate_model(afd, vllm_config)
+    prepared = prepare_afd_config(cls.device_type, vllm_config)
+    if prepared is not None:
         pc = vllm_config.parallel_config
-        m = resolve_microbatches(afd, pc)
-        if cls.device_type == "cuda":
-            validate_cuda_microbatches(m, vllm_config)
-        pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, afd.role)
-        if afd.is_attention:
-            vllm_config.additional_config[AFD_KEY]["num_microbatches"] = m
-            if m > 1:
-                logger.info(
-                    "AFD: %d micro-batches per step above %d decode / %d prefill tokens",
-                    m,
-                    pc.dbo_decode_token_threshold,
-                    pc.dbo_prefill_token_threshold,
-                )
-        # AFD's step engine splits steps; vLLM's micro-batching stays off
-        pc.enable_dbo = False
-        pc.ubatch_size = 0
-        if afd.is_ffn:
-            _prefix_caching_off(vllm_config)
+        pc.worker_cls = resolve_worker_cls(pc.worker_cls, cls.device_type, prepared[0].role)
     original(vllm_config)
+
+
+def refuse_afd_on(platform_cls, reason: str) -> None:
+    """Where AFD's config patch could not be installed: a config with an `afd` key stops at
+    start-up with `reason` (instead of running the platform's own worker without AFD);
+    any other config is the platform's as before."""
+    original = platform_cls.check_and_update_config
+
+    def check_and_update_config(cls, vllm_config):
+        additional = getattr(vllm_config, "additional_config", None)
+        if isinstance(additional, dict) and AFD_KEY in additional:
+            raise AFDDeploymentError(
+                f"AFD cannot run on platform {getattr(cls, 'device_type', '?')!r}: {reason}"
+            )
+        return original(vllm_config)
+
+    check_and_update_config.__afd_patch__ = INFO.name
+    replace_attr(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
 
 
 # the class whose check_and_update_config is wrapped, per platform device type

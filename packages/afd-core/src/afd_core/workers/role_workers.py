@@ -113,6 +113,10 @@ class FFNWorkerMixin(_RoleWorkerMixin):
         """The FFN side's device-graph cache, or None (eager)."""
         return None
 
+    # (rows, token_ids) -> the context every FFN call runs in, or None for none (Ascend:
+    # its MoE reads the call's token count and token ids from its forward context)
+    afd_layer_context = None
+
     def load_model(self, *args, **kwargs) -> None:
         with afd_architecture(self.model_config):
             super().load_model(*args, **kwargs)
@@ -121,6 +125,7 @@ class FFNWorkerMixin(_RoleWorkerMixin):
             self.model_runner.get_model(),  # the model itself, inside any graph wrapper
             lambda: set_forward_context(None, self.vllm_config),
             self.afd_graph_cache(),
+            self.afd_layer_context,
         )
         self.afd.start(on_fatal=terminate_this_process, thread_context=self.afd_thread_context)
 

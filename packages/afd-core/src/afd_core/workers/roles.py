@@ -33,6 +33,9 @@ from afd_core.step.sequence_split import SequenceSplit
 from afd_core.step.split import SplitPolicy
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
 
+# entered around one FFN call: (rows, token ids or None) -> a context manager
+LayerContext = Callable[[int, object], contextlib.AbstractContextManager]
+
 logger = get_logger(__name__)
 
 
@@ -172,6 +175,10 @@ class FFNRole(_Role):
     with data parallelism, each DP rank is an FFN rank and they run the MoE layers as one
     expert group (afd_core.step.expert_group)."""
 
+    @staticmethod
+    def layer_context(rows: int, token_ids) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def __init__(self, vllm_config, tp_rank: int):
         super().__init__(vllm_config, tp_rank)
         pc = vllm_config.parallel_config
@@ -195,11 +202,16 @@ class FFNRole(_Role):
         model,
         forward_context: Callable[[], contextlib.AbstractContextManager],
         graphs: FFNGraphCache | None = None,
+        layer_context: LayerContext | None = None,
     ):
         """Connect, join the TP / expert group, and build the step server (`graphs`: the
-        device-graph cache of whole steps, CUDA FULL_DECODE_ONLY)."""
+        device-graph cache of whole steps, CUDA FULL_DECODE_ONLY; `layer_context`: entered
+        around every FFN call with its rows and token ids, for a platform whose MoE reads
+        per-call state from the forward context, Ascend's)."""
         self.model = model
         self.forward_context = forward_context
+        if layer_context is not None:
+            self.layer_context = layer_context
         wire = make_wire_spec(self.vllm_config, model)
         self.connector = build_connector(self.config, self.rank, wire)
         if self.tp_rank > 0:
@@ -277,10 +289,12 @@ class FFNRole(_Role):
         if group_rows is not None:
             self._set_group_rows(hidden_states.shape[0], group_rows)
         if self.tp_leader is None:
-            return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
+            with self.layer_context(hidden_states.shape[0], token_ids):
+                return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
         self.tp_leader.share(layer, hidden_states, router_logits, token_ids)
         try:
-            return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
+            with self.layer_context(hidden_states.shape[0], token_ids):
+                return self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
         except Exception as exc:
             # the followers may be inside the layer's collectives: no later step could
             # line up with them
@@ -302,7 +316,7 @@ class FFNRole(_Role):
         )
 
     def _follow(self, layer: int, hidden_states, router_logits, token_ids) -> None:
-        with self.forward_context():
+        with self.forward_context(), self.layer_context(hidden_states.shape[0], token_ids):
             self.model.compute_ffn_output(layer, hidden_states, router_logits, token_ids)
 
     def inject_failure(self, layer: int, reason: str) -> None:

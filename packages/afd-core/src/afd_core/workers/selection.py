@@ -7,6 +7,9 @@ WORKERS = {
     ("cpu", "ffn"): "afd_core.workers.cpu_worker.AFDCPUFFNWorker",
     ("cuda", "attention"): "afd_core.workers.cuda_worker.AFDCUDAAttentionWorker",
     ("cuda", "ffn"): "afd_core.workers.cuda_worker.AFDCUDAFFNWorker",
+    # in afd-npu (they extend vLLM-Ascend's NPUWorker)
+    ("npu", "attention"): "afd_npu.workers.npu_worker.AFDNPUAttentionWorker",
+    ("npu", "ffn"): "afd_npu.workers.npu_worker.AFDNPUFFNWorker",
 }
 
 
