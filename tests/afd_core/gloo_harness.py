@@ -40,12 +40,13 @@ def make(
     from afd_core.connectors.base import WireSpec
     from afd_core.connectors.factory import build_connector
 
-    # AFD_TEST_CONNECTOR=nccl: the NCCL connector over CPU stand-ins (tests/afd_core/
-    # nccl_standin.py), so a protocol test runs unchanged over the issue-ordered channel
-    nccl = os.environ.get("AFD_TEST_CONNECTOR") == "nccl"
+    # AFD_TEST_CONNECTOR=nccl / hccl: the device connectors over CPU stand-ins (tests/
+    # afd_core/nccl_standin.py), so a protocol test runs unchanged over an issue-ordered channel
+    device_connector = os.environ.get("AFD_TEST_CONNECTOR")
+    device_type = {"nccl": "cuda", "hccl": "npu"}.get(device_connector, "cpu")
     cfg = parse_afd_config(
         {
-            "connector": "nccl" if nccl else "gloo",
+            "connector": device_connector if device_type != "cpu" else "gloo",
             "role": role,
             "port": port,
             "num_attention_ranks": a,
@@ -53,13 +54,14 @@ def make(
             "start_rank": start_rank,
             "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": connect_timeout},
         },
-        device_type="cuda" if nccl else "cpu",
+        device_type=device_type,
     )
     wire = WireSpec(hidden, dtype, layers, 64, router_width=router_width, token_ids=token_ids)
-    if nccl:
-        from tests.afd_core.nccl_standin import nccl_standin_connector
+    if device_type != "cpu":
+        from tests.afd_core import nccl_standin
 
-        return nccl_standin_connector(cfg, rank, wire)
+        standin = getattr(nccl_standin, f"{device_connector}_standin_connector")
+        return standin(cfg, rank, wire)
     return build_connector(cfg, rank, wire)
 
 

@@ -1,0 +1,1 @@
+"""AFD role workers for vLLM-Ascend."""
