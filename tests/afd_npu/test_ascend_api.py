@@ -54,3 +54,23 @@ def test_a_keyword_afd_passes_must_exist(ascend, monkeypatch):
     monkeypatch.setattr(module, "set_ascend_forward_context", set_ascend_forward_context)
     problem = drift("vllm_ascend.ascend_forward_context:set_ascend_forward_context")
     assert "AFD passes input_ids by name" in problem
+
+
+def test_the_patch_checks_its_modules_and_the_workers_the_rest(ascend, monkeypatch):
+    """register_afd (every process) checks only what the config patch touches; the worker
+    pins are checked where AFD's NPU workers are imported (worker processes)."""
+    import sys
+
+    from afd_npu.ascend_api import AscendAPIError, check_ascend_api
+
+    def load_model(self, extra):  # a drifted worker API
+        return None
+
+    monkeypatch.setattr(
+        sys.modules["vllm_ascend.worker.worker"].NPUWorker, "load_model", load_model
+    )
+    check_ascend_api("patch")
+    with pytest.raises(AscendAPIError, match="NPUWorker.load_model takes \\(self, extra\\)"):
+        check_ascend_api("worker")
+    with pytest.raises(ValueError, match="scope='everything'"):
+        check_ascend_api("everything")

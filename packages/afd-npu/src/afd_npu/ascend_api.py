@@ -3,9 +3,10 @@
 afd-npu was written against vllm-ascend 0.23.0.post1's source (the newest release; none
 targets vLLM 0.32 yet, so it is built from source against vLLM 0.32). Each entry names a
 function or class method AFD wraps, calls or subclasses and the leading parameters AFD
-relies on. `check_ascend_api()` runs before the Ascend patch installs anything: a
-vllm-ascend whose API drifted stops registration with the name of what changed (and `afd
-doctor` shows it), instead of failing later inside a worker. The test stand-ins
+relies on. `check_ascend_api("patch")` runs before the Ascend patch installs anything (a
+vllm-ascend whose API drifted fails that registration step with the name of what changed,
+and `afd doctor` shows it), `check_ascend_api("worker")` when AFD's NPU workers are
+imported, instead of failing later inside a worker. The test stand-ins
 (tests/afd_npu/standin) are checked against the same pins.
 """
 
@@ -111,9 +112,23 @@ def drift(target: str) -> str | None:
     return None
 
 
-def check_ascend_api() -> None:
-    """Raise AscendAPIError naming every pinned function that changed."""
-    problems = [d for t in PINNED if (d := drift(t))]
+# what the config patch touches (checked by register_afd in every process); the rest is
+# checked where AFD's NPU workers are imported (worker processes), so a server process
+# never imports vLLM-Ascend's worker modules just to check them
+PATCH_MODULES = ("vllm_ascend.ascend_config", "vllm_ascend.platform")
+
+
+def check_ascend_api(scope: str = "all") -> None:
+    """Raise AscendAPIError naming every pinned function that changed. scope: "patch" (the
+    config patch's modules), "worker" (the others) or "all"."""
+    if scope not in ("patch", "worker", "all"):
+        raise ValueError(f"scope={scope!r}; allowed 'patch', 'worker' or 'all'")
+
+    def in_scope(target: str) -> bool:
+        patch = target.split(":")[0] in PATCH_MODULES
+        return scope == "all" or patch == (scope == "patch")
+
+    problems = [d for t in PINNED if in_scope(t) and (d := drift(t))]
     if problems:
         raise AscendAPIError(
             "vllm-ascend's API differs from the one afd-npu was written for (vllm-ascend "

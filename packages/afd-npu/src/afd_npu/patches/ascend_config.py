@@ -111,10 +111,8 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
     pc.worker_cls = "auto"  # vLLM-Ascend applies its NPU defaults only for "auto"
     original(vllm_config)
     if pc.worker_cls != ASCEND_DEFAULT_WORKER:
-        picked = pc.worker_cls
-        pc.worker_cls = worker
         raise AFDDeploymentError(
-            f"AFD on Ascend: vLLM-Ascend chose worker {picked!r} for this config (a 310P "
+            f"AFD on Ascend: vLLM-Ascend chose worker {pc.worker_cls!r} for this config (a 310P "
             "device, or xlite graphs); AFD's NPU workers extend "
             f"{ASCEND_DEFAULT_WORKER!r}: run on a 910B/910C without "
             "additional_config.xlite_graph_config"
@@ -197,7 +195,7 @@ def apply_afd_ascend_config_patch(guard=None) -> tuple[StepStatus, str]:
             return StepStatus.APPLIED, ""
         try:
             require_supported_vllm(INFO.name)
-            check_ascend_api()
+            check_ascend_api("patch")
         except (PatchVersionError, AscendAPIError) as exc:
             _refuse_afd(guard, str(exc))
             return StepStatus.FAILED, str(exc)

@@ -21,6 +21,9 @@ from vllm_ascend.worker.worker import NPUWorker
 
 from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
 from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
+from afd_npu.ascend_api import check_ascend_api
+
+check_ascend_api("worker")  # a drifted worker/runner API stops here, named
 
 
 class AFDNPUAttentionModelRunner(AFDAttentionRunnerMixin, NPUModelRunner):
