@@ -24,10 +24,6 @@ def test_micro_batches_and_shapes_over_hccl(over_hccl):
     step_protocol.test_microbatches_every_m_and_shape(2, 1, steps)
 
 
-def test_failed_steps_stay_in_step_over_hccl(over_hccl):
-    step_protocol.test_failed_steps_on_either_side_fail_only_that_step()
-
-
 def test_the_connector_is_registered_for_npu_only():
     from afd_core.config import parse_afd_config
     from afd_core.connectors.registry import connector_spec, default_connector_for
