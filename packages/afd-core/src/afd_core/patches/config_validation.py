@@ -320,13 +320,26 @@ def _check_and_update_config(original, cls, vllm_config) -> None:
     original(vllm_config)
 
 
+def wrap_check_and_update_config(platform_cls, hook, patch: str = INFO.name):
+    """Replace the classmethod `platform_cls.check_and_update_config` by one that calls
+    `hook(original, cls, vllm_config)` (original: the bound method it replaced); once per
+    class. Returns the new classmethod's function."""
+    original = platform_cls.check_and_update_config  # bound classmethod
+
+    def check_and_update_config(cls, vllm_config):
+        return hook(original, cls, vllm_config)
+
+    check_and_update_config.__afd_patch__ = patch
+    replace_attr(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+    return check_and_update_config
+
+
 def refuse_afd_on(platform_cls, reason: str) -> None:
     """Where AFD's config patch could not be installed: a config with an `afd` key stops at
     start-up with `reason` (instead of running the platform's own worker without AFD);
     any other config is the platform's as before."""
-    original = platform_cls.check_and_update_config
 
-    def check_and_update_config(cls, vllm_config):
+    def refuse(original, cls, vllm_config):
         additional = getattr(vllm_config, "additional_config", None)
         if isinstance(additional, dict) and AFD_KEY in additional:
             raise AFDDeploymentError(
@@ -334,8 +347,7 @@ def refuse_afd_on(platform_cls, reason: str) -> None:
             )
         return original(vllm_config)
 
-    check_and_update_config.__afd_patch__ = INFO.name
-    replace_attr(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+    wrap_check_and_update_config(platform_cls, refuse)
 
 
 # the class whose check_and_update_config is wrapped, per platform device type
@@ -347,13 +359,7 @@ PLATFORM_CLASSES = {
 
 def install_on(platform_cls) -> None:
     """Wrap `platform_cls.check_and_update_config` (a classmethod); once per class."""
-    original = platform_cls.check_and_update_config  # bound classmethod
-
-    def check_and_update_config(cls, vllm_config):
-        return _check_and_update_config(original, cls, vllm_config)
-
-    check_and_update_config.__afd_patch__ = INFO.name
-    replace_attr(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+    wrap_check_and_update_config(platform_cls, _check_and_update_config)
 
 
 def apply() -> tuple[StepStatus, str]:

@@ -166,13 +166,10 @@ def _install_init_ascend_config() -> None:
 
 
 def _install_platform_hook(platform_cls) -> None:
-    original = platform_cls.check_and_update_config  # bound classmethod
+    from afd_core.patches.config_validation import wrap_check_and_update_config
 
-    def check_and_update_config(cls, vllm_config):
-        return _check_and_update_config(original, cls, vllm_config)
-
-    check_and_update_config.__afd_patch__ = INFO.name
-    _install(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+    wrap_check_and_update_config(platform_cls, _check_and_update_config, INFO.name)
+    _patched.append((platform_cls, "check_and_update_config"))
 
 
 def is_applied() -> bool:
