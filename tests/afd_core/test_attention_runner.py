@@ -52,7 +52,9 @@ def runner():
         pass
 
     r = Runner()
-    r.afd_engine = SimpleNamespace(plan=None, kind=StepKind.REAL, policy=SplitPolicy(2, 2, 4))
+    r.afd_engine = SimpleNamespace(
+        plan=None, kind=StepKind.REAL, policy=SplitPolicy(2, 2, 4), vllm_ubatching=False
+    )
     return r
 
 

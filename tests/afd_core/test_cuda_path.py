@@ -77,12 +77,17 @@ def test_eager_and_full_decode_only_are_the_graph_modes(cuda_check):
         assert "FULL_DECODE_ONLY" in str(err.value) and "--enforce-eager" in str(err.value)
 
 
-def test_dbo_runs_eagerly_and_is_rejected_with_graphs(cuda_check):
-    cfg = cuda_check({"role": "attention"}, graph_mode="NONE", enable_dbo=True)
-    assert cfg.additional_config["afd"]["num_microbatches"] == 2
+def test_dbo_runs_eagerly_up_to_4_and_in_2_with_graphs(cuda_check):
+    cfg = cuda_check({"role": "attention", "num_microbatches": 4}, graph_mode="NONE")
+    assert cfg.additional_config["afd"]["num_microbatches"] == 4
     assert cfg.parallel_config.enable_dbo is False  # AFD's step engine splits
-    with pytest.raises(Exception, match=r"2 micro-batches per step \(DBO\) with cudagraph_mode"):
-        cuda_check({"role": "attention"}, enable_dbo=True)
+    # with graphs vLLM's UBatchWrapper splits; its DBO is turned on by the attention
+    # worker, after vLLM's config checks (afd_core.step.vllm_ubatch)
+    cfg = cuda_check({"role": "attention"}, enable_dbo=True)
+    assert cfg.additional_config["afd"]["num_microbatches"] == 2
+    assert cfg.parallel_config.enable_dbo is False
+    with pytest.raises(Exception, match=r"3 micro-batches per step \(DBO\) with cudagraph_mode"):
+        cuda_check({"role": "attention", "num_microbatches": 3})
 
 
 def test_v2_model_runner_and_ffn_tensor_parallel_are_rejected(cuda_check, monkeypatch):

@@ -8,42 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.afd_core.step_fakes import FakeConnector
+
 pytestmark = pytest.mark.vllm
-
-
-class FakeExchange:
-    def __init__(self, h):
-        self.h = h
-
-    def wait(self):
-        return self.h * 2  # the "FFN"
-
-
-class FakeConnector:
-    role_rank = 0
-
-    def __init__(self):
-        self.steps, self.exchanges, self.aborted, self.ended = [], [], 0, 0
-
-    def begin_step(self, rows, flags=0):
-        from afd_core.connectors.control import ControlMessage
-
-        self.steps.append((tuple(rows), int(flags)))
-        return ControlMessage(0, len(self.steps) - 1, tuple(rows), 8, "float32")
-
-    def start_exchange(self, h, layer, microbatch=0, router_logits=None, out=None):
-        self.exchanges.append((layer, microbatch, h.shape[0]))
-        return FakeExchange(h.clone())
-
-    def end_step(self):
-        self.ended += 1
-
-    def mark_exchanged(self):
-        self.replayed = getattr(self, "replayed", 0) + 1
-
-    def abort_step(self):
-        self.aborted += 1
-        return "micro-batch 1 at layer 0"
 
 
 @pytest.fixture
@@ -231,7 +198,7 @@ def test_a_split_step_under_a_graph_is_refused(setup):
         runtime_mode=CUDAGraphMode.FULL, concrete_cudagraph_entries={}
     )
     setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
-    with pytest.raises(RuntimeError, match="split into micro-batches ran under a device graph"):
+    with pytest.raises(RuntimeError, match="a step split by AFD ran under a device graph"):
         setup.forward(
             [{"layer.0": "mb0"}, {"layer.0": "mb1"}],
             cudagraph_runtime_mode=CUDAGraphMode.FULL,

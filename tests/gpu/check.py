@@ -14,6 +14,11 @@ cannot run on one GPU; what can, runs here, with AFD's real code:
    enqueues device work (no second rank): a send/receive wait orders the caller's stream
    without a host wait, a captured operation is not watched, and an operation held past
    the timeout by a long kernel trips the watchdog into the named error.
+4. `microbatch_threads_graph`: DBO with graphs as vLLM's UBatchWrapper captures it (AFD's
+   step/vllm_ubatch.py; vLLM itself is not on the device): two micro-batch threads on the
+   capturing stream hand over at the yield inside the exchange op, and both are captured
+   into one graph; the exchanges must interleave layer-major, micro-batch-minor; replayed
+   with new inputs, compared with the eager unsplit model, timed.
 
 Run: python tests/gpu/check.py [--out results.json]; exit status 0 when every check
 passed. Nothing here needs vLLM; it imports afd_core from this checkout.
@@ -68,9 +73,11 @@ class LoopbackConnector:
         self.runtime = runtime
         self.ffn_stream = runtime.new_stream()
         self.calls = 0
+        self.order = []  # (layer, micro-batch) of each exchange, in the order started
 
     def start_exchange(self, rows, layer, microbatch=0, router_logits=None, token_ids=None):
         self.calls += 1
+        self.order.append((layer, microbatch))
         rt = self.runtime
         # the output buffer comes from the caller's stream (a capture's memory pool), as
         # the connector's receive buffer does; the FFN stream writes into it
@@ -340,10 +347,88 @@ def nccl_transport(timeout_s=1.0) -> dict:
     return {"ok": ok, **out}
 
 
+# -- 4. two micro-batches captured in one graph ------------------------------------------
+
+
+def microbatch_threads_graph(tokens=256, hidden=2048, layers=8) -> dict:
+    from afd_core.connectors.device import CudaRuntime
+    from afd_core.exchange import ffn_exchange_op
+    from afd_core.runtime import install_connector
+    from afd_core.step.microbatch import MicrobatchExecutor
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+
+    def weights():
+        return [
+            torch.randn(hidden, hidden, device=dev, generator=gen) / hidden**0.5
+            for _ in range(layers)
+        ]
+
+    attn_w, ffn_w = weights(), weights()
+    conn = LoopbackConnector(ffn_w, CudaRuntime(dev))
+    install_connector(conn)
+    op = ffn_exchange_op()
+    executor = MicrobatchExecutor()  # the hand-over at the yield, as vLLM's UBatchContext
+    stream = torch.cuda.Stream()  # the capturing stream, every micro-batch thread's
+    half = tokens // 2
+
+    def model(x):
+        for layer in range(layers):
+            x = x + op(x @ attn_w[layer], layer, None, None)
+        return x
+
+    def split(x):
+        def job(i):
+            def run():
+                torch.cuda.set_stream(stream)  # as vLLM's UBatchContext does per thread
+                return model(x[i * half : (i + 1) * half])
+
+            return run
+
+        return torch.cat(executor.run([job(0), job(1)]))
+
+    static_in = torch.randn(tokens, hidden, device=dev, generator=gen)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            split(static_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    conn.order.clear()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = split(static_in)
+    captured_order = list(conn.order)
+    errors = []
+    for _ in range(3):
+        x = torch.randn(tokens, hidden, device=dev, generator=gen)
+        static_in.copy_(x)
+        graph.replay()
+        want = model(x)  # unsplit, eager
+        torch.cuda.synchronize()
+        errors.append((static_out - want).abs().max().item())
+    with torch.cuda.stream(stream):
+        eager_ms = _time(lambda: split(static_in), 10)
+    graph_ms = _time(graph.replay, 20)
+    executor.close()
+    install_connector(None)
+    expected_order = [(layer, mb) for layer in range(layers) for mb in (0, 1)]
+    ok = max(errors) < 1e-3 and captured_order == expected_order
+    return {
+        "ok": ok,
+        "exchange_order_interleaved": captured_order == expected_order,
+        "max_abs_error_vs_unsplit_eager": max(errors),
+        "eager_split_ms": round(eager_ms, 3),
+        "graph_replay_ms": round(graph_ms, 3),
+        "speedup": round(eager_ms / graph_ms, 2),
+    }
+
+
 CHECKS = {
     "exchange_op_graph": exchange_op_graph,
     "ffn_graph_cache": ffn_graph_cache,
     "nccl_transport": nccl_transport,
+    "microbatch_threads_graph": microbatch_threads_graph,
 }
 
 

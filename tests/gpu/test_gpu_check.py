@@ -22,7 +22,7 @@ sys.argv = ['check.py']
 import runpy
 mod = runpy.run_path(%r, run_name='check')
 import afd_core.connectors.nccl, afd_core.connectors.device, afd_core.step.graphs
-import afd_core.exchange, afd_core.runtime
+import afd_core.exchange, afd_core.runtime, afd_core.step.microbatch
 op = afd_core.exchange.ffn_exchange_op()
 print('ok', sorted(mod['CHECKS']))
 """
@@ -34,7 +34,10 @@ def test_check_script_imports_what_it_runs_without_vllm():
         [sys.executable, "-c", BLOCKER % str(CHECK)], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok ['exchange_op_graph', 'ffn_graph_cache', 'nccl_transport']" in out.stdout
+    assert (
+        "ok ['exchange_op_graph', 'ffn_graph_cache', 'microbatch_threads_graph', "
+        "'nccl_transport']" in out.stdout
+    )
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ socket exists. For a config with an `afd` key it:
 * rejects what AFD cannot run yet: speculative decoding, a model architecture without an
   AFD wrapper (listing those registered), the gate on attention for a wrapper that cannot
   run it; on CUDA (`validate_cuda`): a graph mode other than FULL_DECODE_ONLY or none,
-  vLLM's V2 model runner, micro-batching together with graphs, FFN tensor parallel.
+  vLLM's V2 model runner, more than 2 micro-batches with graphs (vLLM's UBatchWrapper
+  splits in two), FFN tensor parallel.
 
 Installed on the current platform's class: CpuPlatform on CPU, CudaPlatformBase on CUDA
 (vllm.platforms.cuda imports only where CUDA's kernels are built, so never on the other).
@@ -193,12 +194,16 @@ def validate_cuda(afd, vllm_config) -> None:
 
 
 def validate_cuda_microbatches(m: int, vllm_config) -> None:
+    """DBO with graphs runs through vLLM's UBatchWrapper, which splits in two; eagerly,
+    AFD's own executor runs up to 4 (afd_core.step.vllm_ubatch)."""
+    from afd_core.step.vllm_ubatch import VLLM_UBATCHES
+
     mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
-    if m > 1 and mode != "NONE":
+    if m > VLLM_UBATCHES and mode != "NONE":
         raise AFDDeploymentError(
-            f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode} is "
-            "not supported yet (a captured step is one micro-batch); allowed: DBO with "
-            "--enforce-eager, or graphs without DBO"
+            f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode}: "
+            f"with graphs vLLM's UBatchWrapper splits steps, in {VLLM_UBATCHES}; allowed: "
+            f"afd.num_microbatches={VLLM_UBATCHES} with graphs, or up to 4 with --enforce-eager"
         )
 
 

@@ -2,7 +2,8 @@
 
 One step = one control message (rows per micro-batch, flags), the micro-batches' forward
 passes (one runs in the calling thread; several run on the MicrobatchExecutor, switching at
-the DBO yield op), and the FFN rank's status. A failure inside the step on this rank
+the DBO yield op, or all in one call to vLLM's UBatchWrapper, which switches at the same
+op), and the FFN rank's status. A failure inside the step on this rank
 (attention compute, a micro-batch thread) is finished in protocol with rows of zeros
 (`abort_step`) and raised as AFDStepError: that step's requests fail and the next step runs.
 A failure the transport cannot survive is AFDPeerError: the deployment stops.
@@ -37,10 +38,12 @@ class AttentionStepDriver:
         jobs: Sequence[Callable[[], Any]],
         flags: int = 0,
         replayed: bool = False,
+        whole: bool = False,
     ) -> list[Any]:
         """Run one step whose micro-batch i has rows[i] rows and is computed by jobs[i];
+        `whole`: one job computes every micro-batch (vLLM's UBatchWrapper runs them);
         `replayed`: the job replays a device graph (the exchanges ran without Python)."""
-        if len(rows) != len(jobs):
+        if len(jobs) != (1 if whole else len(rows)):
             raise ValueError(f"{len(jobs)} micro-batch jobs for {len(rows)} announced")
         conn = self.connector
         t0 = now()

@@ -42,15 +42,21 @@ class GraphPhase(enum.Enum):
 
 
 def find_graph_wrapper(model) -> Any | None:
-    """vLLM's CUDAGraphWrapper around the attention model, if the runner made one."""
-    return model if hasattr(model, "concrete_cudagraph_entries") else None
+    """vLLM's graph wrapper around the attention model, if the runner made one: its
+    CUDAGraphWrapper, or AFD's UBatchWrapper (step/vllm_ubatch.py) for DBO with graphs."""
+    if hasattr(type(model), "afd_graph_phase"):
+        return model
+    # not hasattr(model, ...): vLLM's wrappers forward unknown attributes to the model
+    return model if "concrete_cudagraph_entries" in getattr(model, "__dict__", {}) else None
 
 
 def graph_phase(forward_context, wrapper) -> GraphPhase:
-    """What `wrapper` (vLLM's CUDAGraphWrapper) does on the forward about to run: the same
-    decision its __call__ makes, read before it runs."""
+    """What `wrapper` (vLLM's CUDAGraphWrapper, or AFD's UBatchWrapper) does on the forward
+    about to run: the same decision its __call__ makes, read before it runs."""
     if wrapper is None:
         return GraphPhase.EAGER
+    if hasattr(type(wrapper), "afd_graph_phase"):
+        return wrapper.afd_graph_phase(forward_context)
     mode = getattr(forward_context, "cudagraph_runtime_mode", None)
     if mode is None or not mode or mode != wrapper.runtime_mode:
         return GraphPhase.EAGER

@@ -8,7 +8,9 @@ micro-batches for the step (`AttentionStepEngine.plan`, set from the scheduled r
 the AFD runner, which also had vLLM build one attention metadata per micro-batch), the
 wrapper slices the inputs, gives each micro-batch its own forward context, and runs them on
 the micro-batch executor; the outputs are concatenated in order, so vLLM's logits indices
-stay valid.
+stay valid. With DBO and CUDA graphs vLLM splits instead (step/vllm_ubatch.py): the forward
+context carries vLLM's `ubatch_slices`, the wrapper announces their rows and calls vLLM's
+UBatchWrapper once, which runs (or captures, or replays) both micro-batches.
 """
 
 from __future__ import annotations
@@ -93,10 +95,23 @@ class AttentionStepEngine:
         self._fail_next: str | None = None  # a drill: fail the next real step (see inject)
         self.driver = AttentionStepDriver(connector, MicrobatchExecutor(on_resume=self._resume))
         self._lock = threading.Lock()
-        # vLLM's CUDAGraphWrapper around the model (FULL_DECODE_ONLY on CUDA), else None
+        # vLLM's graph wrapper around the model (FULL_DECODE_ONLY on CUDA), else None
         self.graph_wrapper = None
+        # vLLM's UBatchWrapper splits the steps (DBO with graphs), not AFD's plan
+        self.vllm_ubatching = False
 
     def set_policy(self, policy: SplitPolicy) -> None:
+        if self.vllm_ubatching and (
+            policy.num_microbatches not in (1, self.max_microbatches)
+            or policy.threshold_for([1]) != self.policy.threshold_for([1])
+            or policy.threshold_for([2]) != self.policy.threshold_for([2])
+        ):
+            raise ValueError(
+                f"{policy}: this attention server captured its graphs split by vLLM's "
+                f"UBatchWrapper for {self.max_microbatches} micro-batches at its start-up "
+                "thresholds; allowed at run time: num_microbatches 1 (off) or "
+                f"{self.max_microbatches}, thresholds unchanged (restart to change them)"
+            )
         if policy.num_microbatches > self.max_microbatches:
             raise ValueError(
                 f"num_microbatches={policy.num_microbatches}, but this attention server was "
@@ -127,24 +142,37 @@ class AttentionStepEngine:
         plan, self.plan = self.plan, None
         kind = self.kind
         num_tokens = _num_tokens(args, kwargs)
-        split = isinstance(ctx.attn_metadata, list)
-        if split != (plan is not None):
+        vllm_slices = getattr(ctx, "ubatch_slices", None)
+        if vllm_slices is not None and not self.vllm_ubatching:
+            raise RuntimeError(
+                "AFD step wrapper: vLLM split this step into micro-batches, but on this "
+                "attention server AFD's step engine splits them"
+            )
+        split = plan is not None  # split by AFD's plan, on its executor
+        planned = split or vllm_slices is not None
+        metadata_split = isinstance(ctx.attn_metadata, list)
+        if metadata_split != planned:
             raise RuntimeError(
                 "AFD step wrapper: the attention metadata was "
-                + ("split" if split else "not split")
+                + ("split" if metadata_split else "not split")
                 + " but the step was "
-                + ("not planned" if plan is None else "planned")
+                + ("planned" if planned else "not planned")
                 + " into micro-batches"
             )
         fail, self._fail_next = (self._fail_next, None) if kind is StepKind.REAL else (None, None)
         phase = graph_phase(ctx, self.graph_wrapper)
         if split and phase is not GraphPhase.EAGER:
             raise RuntimeError(
-                "AFD step wrapper: a step split into micro-batches ran under a device graph "
-                f"({phase.value}); start-up rejects micro-batching with graphs"
+                "AFD step wrapper: a step split by AFD ran under a device graph "
+                f"({phase.value}); with graphs, vLLM's UBatchWrapper splits steps"
             )
         flags = kind.value | (ControlFlag.CAPTURE if phase is GraphPhase.CAPTURE else 0)
-        if split:
+        whole = False  # one job runs every announced micro-batch (vLLM's UBatchWrapper)
+        if vllm_slices is not None:
+            rows = tuple(self._rows(s.num_tokens) for s in vllm_slices)
+            jobs = [_Job(model, (args, kwargs), None, fail)]
+            whole = True
+        elif split:
             slices = _cover(plan, num_tokens)
             rows = tuple(self._rows(s.num_tokens) for s in slices)
             self._contexts = [
@@ -160,7 +188,9 @@ class AttentionStepEngine:
             rows = (self._rows(num_tokens),)
             jobs = [_Job(model, (args, kwargs), None, fail)]
         try:
-            results = self.driver.run(rows, jobs, flags=flags, replayed=phase is GraphPhase.REPLAY)
+            results = self.driver.run(
+                rows, jobs, flags=flags, replayed=phase is GraphPhase.REPLAY, whole=whole
+            )
         except BaseException:
             with self._lock:
                 self.stats.failed += 1
@@ -177,7 +207,7 @@ class AttentionStepEngine:
                 self.stats.by_microbatches[len(rows)] += 1
                 self.stats.tokens += num_tokens
                 self.stats.rows += sum(rows)
-                if split:
+                if len(rows) > 1:
                     self.stats.last_split_rows = rows
         if not split:
             return results[0]

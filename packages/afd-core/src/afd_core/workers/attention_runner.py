@@ -8,8 +8,10 @@ per step and per rank instead:
   (no data-parallel padding for it either), then AFD's plan from the scheduled requests
   (whole requests, thresholds, m); `allow_microbatching` is vLLM's veto when a request reads
   a prefix another request of the same step is still writing;
+  With DBO and CUDA graphs vLLM's UBatchWrapper splits instead (step/vllm_ubatch.py): vLLM
+  decides under data parallelism, AFD with vLLM's rules at data parallel 1;
 * `_build_attention_metadata`: vLLM builds one attention metadata per planned micro-batch
-  with its own slicing helpers (`split_attn_metadata`);
+  with its own slicing helpers (`split_attn_metadata`), never reusing one micro-batch's;
 * `_dummy_run`: marks dummy and profiling forwards, which run unsplit, for the control
   message's flags; a dummy step the FFN rank failed is logged, not fatal;
 * `execute_model`: a step that failed but left the protocol in step (AFDStepError) returns
@@ -34,6 +36,9 @@ class AFDAttentionRunnerMixin:
     afd_engine: AttentionStepEngine | None = None
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        engine = self.afd_engine
+        if engine is not None and engine.vllm_ubatching:
+            return self._afd_vllm_ubatching_decision(args, kwargs)
         allow = kwargs.pop("allow_microbatching", True)
         result = super()._determine_batch_execution_and_padding(
             *args, allow_microbatching=False, **kwargs
@@ -47,20 +52,42 @@ class AFDAttentionRunnerMixin:
                 engine.plan = engine.policy.plan(tokens)
         return result
 
+    def _afd_vllm_ubatching_decision(self, args, kwargs):
+        """vLLM's UBatchWrapper splits (DBO with graphs): under data parallelism vLLM
+        coordinates the decision across the ranks; at data parallel 1, where vLLM 0.32
+        never splits, AFD applies vLLM's rules (the ones its graph capture used)."""
+        from afd_core.step.vllm_ubatch import should_ubatch_single_rank
+
+        allow = kwargs.pop("allow_microbatching", True) and self.afd_engine.policy.enabled
+        determine = super()._determine_batch_execution_and_padding
+        if self.parallel_config.data_parallel_size > 1:
+            return determine(*args, allow_microbatching=allow, **kwargs)
+        mode, desc, _, across, stats = determine(*args, allow_microbatching=False, **kwargs)
+        uniform_decode = self._is_uniform_decode(
+            max_num_scheduled_tokens=kwargs["max_num_scheduled_tokens"],
+            uniform_decode_query_len=self.uniform_decode_query_len,
+            num_tokens=kwargs["num_tokens"],
+            num_reqs=kwargs["num_reqs"],
+            force_uniform_decode=kwargs.get("force_uniform_decode"),
+        )
+        split = allow and should_ubatch_single_rank(
+            self.parallel_config, kwargs["num_tokens"], desc.num_tokens, uniform_decode
+        )
+        return mode, desc, split, across, stats
+
     def _build_attention_metadata(self, *args, **kwargs):
         engine = self.afd_engine
         plan = engine.plan if engine is not None else None
-        if (
-            plan is not None
-            and kwargs.get("ubatch_slices") is None
-            and not kwargs.get("for_cudagraph_capture")
-        ):
+        if kwargs.get("for_cudagraph_capture"):
+            return super()._build_attention_metadata(*args, **kwargs)
+        if plan is not None and kwargs.get("ubatch_slices") is None:
             from vllm.v1.worker.ubatch_utils import UBatchSlice
 
             kwargs["ubatch_slices"] = [
                 UBatchSlice(slice(s.req_start, s.req_stop), slice(s.token_start, s.token_stop))
                 for s in plan
             ]
+        if kwargs.get("ubatch_slices") is not None:  # AFD's plan or vLLM's own split
             with _no_block_table_only_rebuilds(self.attn_groups):
                 return super()._build_attention_metadata(*args, **kwargs)
         return super()._build_attention_metadata(*args, **kwargs)
@@ -112,10 +139,19 @@ class AFDAttentionRunnerMixin:
         model = super().get_model()
         if isinstance(model, AFDStepWrapper):
             model = model.unwrap()
-            # vLLM's graph wrapper sits inside AFD's, where vLLM's get_model cannot see it
-            if find_graph_wrapper(model) is not None:
+            # vLLM's wrapper (graphs, micro-batches) sits inside AFD's, where vLLM's
+            # get_model cannot see it
+            if find_graph_wrapper(model) is not None or _is_ubatch_wrapper(model):
                 model = model.unwrap()
         return model
+
+
+def _is_ubatch_wrapper(model) -> bool:
+    """vLLM wraps the model in its UBatchWrapper whenever it builds for micro-batches (AFD
+    sets `ubatch_size` for its own split), graphs or not."""
+    from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
+
+    return isinstance(model, UBatchWrapper)
 
 
 @contextlib.contextmanager
@@ -123,9 +159,10 @@ def _no_block_table_only_rebuilds(attn_groups):
     """vLLM 0.32's `_build_attention_metadata` caches one build per (KV spec, builder type)
     and, for builders that support it, serves later builds of the same call by swapping
     only the block table. The key has no micro-batch, so micro-batch 1 would get micro-batch
-    0's metadata (sequence lengths, query starts) with its own block table. No CPU builder
-    supports the swap (CPU_ATTN, CPU_MLA), FlashAttention on CUDA does: while AFD builds
-    per-micro-batch metadata, every builder builds in full."""
+    0's metadata (sequence lengths, query starts) with its own block table; vLLM's own
+    micro-batching (UBatchWrapper) goes through the same cache. No CPU builder supports the
+    swap (CPU_ATTN, CPU_MLA), FlashAttention on CUDA does: while a step's metadata is built
+    per micro-batch, every builder builds in full."""
     builders = [b for groups in attn_groups for g in groups for b in g.metadata_builders]
     for b in builders:
         b.supports_update_block_table = False  # shadows the class attribute

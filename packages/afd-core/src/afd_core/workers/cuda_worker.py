@@ -1,11 +1,11 @@
 """AFD workers for vLLM's CUDA platform (NCCL between the roles, connector `nccl`).
 
 The attention worker is vLLM's GPU worker with AFD's attention runner (V1 GPUModelRunner;
-vLLM wraps the model in its CUDAGraphWrapper under FULL_DECODE_ONLY, and AFD's step
-wrapper goes around that, so the control message is sent before every replay). The FFN
-worker holds the MLP/MoE weights only; its serving thread runs on the worker's device
-with a stream of its own, and with FULL_DECODE_ONLY it captures whole steps per key
-(afd_core.step.graphs).
+vLLM wraps the model in its CUDAGraphWrapper under FULL_DECODE_ONLY, or its UBatchWrapper
+with DBO and graphs, and AFD's step wrapper goes around that, so the control message is
+sent before every replay). The FFN worker holds the MLP/MoE weights only; its serving
+thread runs on the worker's device with a stream of its own, and with FULL_DECODE_ONLY it
+captures whole steps per key (afd_core.step.graphs).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache
+from afd_core.step.vllm_ubatch import uses_vllm_ubatching
 from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
 from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
 
@@ -30,11 +31,19 @@ class AFDCUDAAttentionWorker(AttentionWorkerMixin, Worker):
     vllm_runner_cls = GPUModelRunner
     afd_runner_cls = AFDCUDAAttentionModelRunner
 
+    def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
+        # DBO with graphs: vLLM's UBatchWrapper captures both micro-batches in one graph
+        return uses_vllm_ubatching(num_microbatches, _graph_mode(self.vllm_config))
+
+
+def _graph_mode(vllm_config) -> str:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return "NONE" if mode is None else mode.name
+
 
 def ffn_graphs_enabled(vllm_config) -> bool:
     """The FFN server captures whole steps when it runs with FULL_DECODE_ONLY graphs."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    return mode is not None and mode.name == "FULL_DECODE_ONLY"
+    return _graph_mode(vllm_config) == "FULL_DECODE_ONLY"
 
 
 class AFDCUDAFFNWorker(FFNWorkerMixin, Worker):

@@ -46,14 +46,30 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
     vllm_runner_cls: type  # vLLM's V1 model runner of the platform
     afd_runner_cls: type  # that runner with AFDAttentionRunnerMixin
 
+    def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
+        """Whether vLLM's UBatchWrapper splits the steps (a platform with graphs: CUDA)
+        rather than AFD's micro-batch executor."""
+        return False
+
     def init_device(self):
         afd = require_afd_config(self.vllm_config)
-        # vLLM builds one attention-metadata builder per micro-batch it may run; with DBO
-        # on, build them for up to 4 so the count can also change at run time. vLLM's own
-        # micro-batching stays off (enable_dbo), AFD's runner does the splitting.
-        self.max_microbatches = MAX_MICROBATCHES if (afd.num_microbatches or 1) > 1 else 1
-        if self.max_microbatches > 1:
-            self.parallel_config.ubatch_size = self.max_microbatches
+        m = afd.num_microbatches or 1
+        self.vllm_ubatching = self.afd_vllm_ubatching(m)
+        if self.vllm_ubatching:
+            # vLLM's DBO: its UBatchWrapper, 2 metadata builders and workspaces (set after
+            # the config checks: their all2all-backend assert is for MoE layers, and this
+            # server has none; see afd_core.step.vllm_ubatch)
+            from afd_core.step.vllm_ubatch import VLLM_UBATCHES
+
+            self.max_microbatches = VLLM_UBATCHES
+            self.parallel_config.enable_dbo = True
+        else:
+            # vLLM builds one attention-metadata builder per micro-batch it may run; with
+            # DBO on, build them for up to 4 so the count can also change at run time.
+            # vLLM's own micro-batching stays off, AFD's runner does the splitting.
+            self.max_microbatches = MAX_MICROBATCHES if m > 1 else 1
+            if self.max_microbatches > 1:
+                self.parallel_config.ubatch_size = self.max_microbatches
         super().init_device()
         if type(self.model_runner) is not self.vllm_runner_cls:
             raise RuntimeError(
@@ -68,7 +84,7 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
         with afd_architecture(self.model_config):
             super().load_model(*args, **kwargs)
         self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
-        self.afd.attach(self.model_runner, self.max_microbatches)
+        self.afd.attach(self.model_runner, self.max_microbatches, self.vllm_ubatching)
 
     # -- reachable through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) -----------------
     def afd_step_stats(self) -> dict:

@@ -129,9 +129,14 @@ def split_policy(vllm_config, afd) -> SplitPolicy:
 class AttentionRole(_Role):
     engine: AttentionStepEngine | None = None
 
-    def attach(self, runner, max_microbatches: int) -> None:
-        """Connect to the FFN rank and make every forward of the runner's model one step."""
+    def attach(self, runner, max_microbatches: int, vllm_ubatching: bool = False) -> None:
+        """Connect to the FFN rank and make every forward of the runner's model one step
+        (`vllm_ubatching`: vLLM's UBatchWrapper splits the steps, step/vllm_ubatch.py)."""
         model = runner.model
+        if vllm_ubatching:
+            from afd_core.step.vllm_ubatch import adopt
+
+            model = runner.model = adopt(model)
         self._connect(model)
         install_connector(self.connector)
         split = self._sequence_split()
@@ -143,6 +148,7 @@ class AttentionRole(_Role):
             max_microbatches=max_microbatches,
             sequence_split=split,
         )
+        self.engine.vllm_ubatching = vllm_ubatching
         # outside vLLM's graph wrapper: the control message goes out before every replay
         self.engine.graph_wrapper = find_graph_wrapper(model)
         runner.model = AFDStepWrapper(model, self.engine)
