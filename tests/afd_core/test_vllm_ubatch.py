@@ -24,6 +24,7 @@ class Toy:
 
     def __init__(self):
         self.seen = []
+        self.fail_in = None  # (micro-batch, layer): the attention compute raises there
 
     def __call__(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         from vllm.forward_context import get_forward_context
@@ -35,6 +36,8 @@ class Toy:
         self.seen.append((current_microbatch_id(), ctx.attn_metadata, ctx.dp_metadata))
         h = input_ids.float().unsqueeze(1)
         for layer in range(2):
+            if self.fail_in == (current_microbatch_id(), layer):
+                raise ValueError("attention kernel failed")
             h = exchange(h + 1, layer)
         return h
 
@@ -163,6 +166,36 @@ def test_a_failure_inside_vllms_micro_batches_fails_the_step_in_protocol(setup):
         setup.forward()
     assert setup.conn.aborted == 1 and setup.engine.stats.failed == 1
     setup.forward()
+    assert setup.conn.ended == 1
+
+
+@pytest.mark.parametrize("where", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_a_micro_batch_failing_inside_vllms_threads_fails_the_step_without_a_hang(setup, where):
+    """vLLM's threads alone would leave the other micro-batch yielding to an ended thread
+    forever and swallow the error; AFD's wrapper stops the other at its next yield and
+    raises the first error, so the step is finished in protocol and the next one runs."""
+    import threading
+
+    from afd_core.connectors.base import AFDStepError
+
+    setup.model.fail_in = where
+    outcome = []
+
+    def step():
+        try:
+            setup.forward()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the split step hung"
+    assert isinstance(outcome[0], AFDStepError), outcome
+    assert "ValueError: attention kernel failed" in str(outcome[0])  # the real error
+    assert setup.conn.aborted == 1 and setup.engine.stats.failed == 1
+    setup.model.fail_in = None
+    assert setup.forward().shape == (8, 1)  # the next step runs on new threads
     assert setup.conn.ended == 1
 
 

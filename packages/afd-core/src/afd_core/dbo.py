@@ -60,6 +60,21 @@ def _vllm_ubatching():
     return ubatching
 
 
+# Set while a step split by vLLM's UBatchWrapper has a failed micro-batch (one step runs at
+# a time per process). vLLM's threads hand the baton over unconditionally: a micro-batch
+# that yields to one that has ended waits forever. So once one has failed, the others stop
+# at their next yield instead (afd_core.step.vllm_ubatch clears and sets it).
+_vllm_split_failed = threading.Event()
+
+
+def fail_vllm_split(failed: bool = True) -> None:
+    """Mark the running vLLM-split step as failed (False: a new step starts)."""
+    if failed:
+        _vllm_split_failed.set()
+    else:
+        _vllm_split_failed.clear()
+
+
 def yield_now() -> None:
     """Hand the baton to the next micro-batch: AFD's executor when the calling thread runs
     one of its micro-batches, else vLLM's ubatching when active, else nothing."""
@@ -69,7 +84,16 @@ def yield_now() -> None:
         return
     ubatching = _vllm_ubatching()
     if ubatching is not None and ubatching.dbo_enabled():
+        _raise_if_vllm_split_failed()  # the next micro-batch may have ended
         ubatching.dbo_yield()
+        _raise_if_vllm_split_failed()  # it failed while this one waited
+
+
+def _raise_if_vllm_split_failed() -> None:
+    if _vllm_split_failed.is_set():
+        from afd_core.step.microbatch import MicrobatchAborted
+
+        raise MicrobatchAborted("micro-batch released: another micro-batch of the step failed")
 
 
 def current_microbatch_id() -> int:

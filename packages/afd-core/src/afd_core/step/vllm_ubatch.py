@@ -19,7 +19,12 @@ on an attention server on CUDA with FULL_DECODE_ONLY graphs and 2 micro-batches;
   step at DP 1 has none, through vLLM's own helpers; with DP > 1 it is vLLM's call;
 * no SM partitioning: vLLM's SM control reserves SMs for DeepEP's kernels and caps
   DeepGEMM's while micro-batches overlap; an attention server has no all2all, so the
-  wrapper's SM control is a no-op.
+  wrapper's SM control is a no-op;
+* a failure: vLLM's micro-batch threads neither report an exception nor stop the other
+  micro-batch, which then yields to a thread that has ended and waits forever. AFD's
+  wrapper runs each micro-batch under `_SplitStep`, which keeps the first error and makes
+  the others stop at their next yield (afd_core.dbo), then raises it, so the step fails in
+  protocol like one split by AFD's executor.
 
 The step wrapper (step/wrapper.py) sends the control message with the micro-batches' rows
 from the forward context's `ubatch_slices` and runs the wrapper as one job; `afd_graph_phase`
@@ -29,13 +34,16 @@ tells it beforehand whether the wrapper captures, replays or runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
 from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
+from afd_core import dbo
 from afd_core.step.graphs import GraphPhase, graph_phase
+from afd_core.step.microbatch import MicrobatchAborted
 
 # vLLM's UBatchWrapper runs two micro-batches (ParallelConfig.num_ubatches with enable_dbo)
 VLLM_UBATCHES = 2
@@ -108,6 +116,49 @@ class AFDUBatchWrapper(UBatchWrapper):
             if phase is GraphPhase.CAPTURE:
                 return self._capture_ubatches(metadata, self.runnable)
             return self._run_ubatches(metadata, self.runnable)
+
+    def _run_ubatches(self, ubatch_metadata, model):
+        return _SplitStep(model).run(super()._run_ubatches, ubatch_metadata)
+
+    def _capture_ubatches(self, ubatch_metadata, model):
+        return _SplitStep(model).run(super()._capture_ubatches, ubatch_metadata)
+
+
+class _SplitStep:
+    """The model as each of one step's micro-batch threads calls it: the first error is
+    kept (a released micro-batch's MicrobatchAborted only until a real one comes) and the
+    other micro-batches stop at their next yield; `run` raises it after vLLM's threads end."""
+
+    def __init__(self, model):
+        self.model = model
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, **inputs):
+        try:
+            return self.model(**inputs)
+        except BaseException as exc:  # noqa: BLE001 - raised by run() in the caller's thread
+            with self._lock:
+                if self.error is None or (
+                    isinstance(self.error, MicrobatchAborted)
+                    and not isinstance(exc, MicrobatchAborted)
+                ):
+                    self.error = exc
+            dbo.fail_vllm_split()
+            return None
+
+    def run(self, vllm_run, ubatch_metadata):
+        dbo.fail_vllm_split(False)
+        try:
+            out = vllm_run(ubatch_metadata, self)
+        except BaseException:
+            if self.error is None:
+                raise
+        finally:
+            dbo.fail_vllm_split(False)
+        if self.error is not None:
+            raise self.error
+        return out
 
 
 def adopt(model):
