@@ -53,3 +53,27 @@ def checkpoints(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+def platform_hook_check(platform_cls, model: str, graph_mode: str = "NONE"):
+    """check(afd, ...): a real vLLM config built on CPU for `model`, given the `afd` key (and
+    other additional config), a graph mode and parallel-config fields (`worker_cls` "auto"
+    unless given; `before()` runs right after the build), then run through
+    `platform_cls.check_and_update_config` as that platform's (patched) hook would be."""
+
+    def check(afd, graph_mode=graph_mode, additional=None, before=lambda: None, **parallel):
+        from vllm.config import CUDAGraphMode
+        from vllm.engine.arg_utils import EngineArgs
+
+        cfg = EngineArgs(model=model, max_model_len=128, enforce_eager=True).create_engine_config()
+        before()
+        cfg.additional_config = {"afd": dict(afd), **(additional or {})}
+        cfg.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, graph_mode)
+        pc = cfg.parallel_config
+        pc.worker_cls = parallel.pop("worker_cls", "auto")
+        for k, v in parallel.items():
+            setattr(pc, k, v)
+        platform_cls.check_and_update_config(cfg)
+        return cfg
+
+    return check

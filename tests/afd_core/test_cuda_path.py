@@ -33,29 +33,13 @@ def cuda_check(checkpoints):
     import afd_plugin
 
     afd_plugin.register_afd()
-    from vllm.config import CUDAGraphMode
-    from vllm.engine.arg_utils import EngineArgs
-
-    from afd_core.patches.catalogue import original
     from afd_core.patches.config_validation import install_on
+    from tests.conftest import platform_hook_check
 
     install_on(FakeCudaPlatform)
-    model = str(checkpoints("qwen3_moe"))
-
-    def check(afd, graph_mode="FULL_DECODE_ONLY", before=lambda: None, **kw):
-        cfg = EngineArgs(model=model, max_model_len=128, enforce_eager=True).create_engine_config()
-        before()
-        cfg.additional_config = {"afd": dict(afd)}
-        cfg.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, graph_mode)
-        pc = cfg.parallel_config
-        pc.worker_cls = "auto"
-        for k, v in kw.items():
-            setattr(pc, k, v)
-        FakeCudaPlatform.check_and_update_config(cfg)
-        return cfg
-
-    check.original = original(FakeCudaPlatform, "check_and_update_config")
-    return check
+    return platform_hook_check(
+        FakeCudaPlatform, str(checkpoints("qwen3_moe")), graph_mode="FULL_DECODE_ONLY"
+    )
 
 
 def test_auto_picks_the_cuda_role_workers_then_vllms_hook_runs(cuda_check):

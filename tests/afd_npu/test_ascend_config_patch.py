@@ -148,23 +148,10 @@ def npu_check(patched, checkpoints):
     import afd_plugin
 
     afd_plugin.register_afd()
-    from vllm.config import CUDAGraphMode
-    from vllm.engine.arg_utils import EngineArgs
+    from tests.conftest import platform_hook_check
 
     platform = sys.modules["vllm_ascend.platform"]
-    model = str(checkpoints("qwen3_moe"))
-
-    def check(afd, graph_mode="NONE", additional=None, **kw):
-        cfg = EngineArgs(model=model, max_model_len=128, enforce_eager=True).create_engine_config()
-        cfg.additional_config = {"afd": dict(afd), **(additional or {})}
-        cfg.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, graph_mode)
-        pc = cfg.parallel_config
-        pc.worker_cls = kw.pop("worker_cls", "auto")
-        for k, v in kw.items():
-            setattr(pc, k, v)
-        platform.NPUPlatform.check_and_update_config(cfg)
-        return cfg
-
+    check = platform_hook_check(platform.NPUPlatform, str(checkpoints("qwen3_moe")))
     check.calls = platform.calls
     return check
 
