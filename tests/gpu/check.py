@@ -91,29 +91,54 @@ class LoopbackConnector:
         return LoopbackExchange(rt, event, out)
 
 
-def exchange_op_graph(tokens=256, hidden=2048, layers=8) -> dict:
+def _loopback_decoder(layers: int, hidden: int, seed: int):
+    """A toy decoder whose every layer goes through AFD's exchange op to a loopback
+    connector, installed for this process: (model, connector, generator)."""
     from afd_core.connectors.device import CudaRuntime
     from afd_core.exchange import ffn_exchange_op
     from afd_core.runtime import install_connector
 
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    attn_w = [
-        torch.randn(hidden, hidden, device=dev, generator=gen) / hidden**0.5 for _ in range(layers)
-    ]
-    ffn_w = [
-        torch.randn(hidden, hidden, device=dev, generator=gen) / hidden**0.5 for _ in range(layers)
-    ]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def weights():
+        return [
+            torch.randn(hidden, hidden, device=dev, generator=gen) / hidden**0.5
+            for _ in range(layers)
+        ]
+
+    attn_w, ffn_w = weights(), weights()
     conn = LoopbackConnector(ffn_w, CudaRuntime(dev))
     install_connector(conn)
     op = ffn_exchange_op()
 
     def model(x):
         for layer in range(layers):
-            h = x @ attn_w[layer]
-            x = x + op(h, layer, None, None)
+            x = x + op(x @ attn_w[layer], layer, None, None)
         return x
 
+    return model, conn, gen
+
+
+def _replay_error(graph, static_in, static_out, reference, gen, n: int = 3) -> float:
+    """The largest difference between the graph's replays and `reference` run eagerly, over
+    n new inputs copied into the captured input."""
+    errors = []
+    for _ in range(n):
+        x = torch.randn(static_in.shape, device=static_in.device, generator=gen)
+        static_in.copy_(x)
+        graph.replay()
+        want = reference(x)
+        torch.cuda.synchronize()
+        errors.append((static_out - want).abs().max().item())
+    return max(errors)
+
+
+def exchange_op_graph(tokens=256, hidden=2048, layers=8) -> dict:
+    from afd_core.runtime import install_connector
+
+    model, conn, gen = _loopback_decoder(layers, hidden, seed=0)
+    dev = torch.device("cuda")
     static_in = torch.randn(tokens, hidden, device=dev, generator=gen)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -126,27 +151,19 @@ def exchange_op_graph(tokens=256, hidden=2048, layers=8) -> dict:
     with torch.cuda.graph(graph):
         static_out = model(static_in)
     captured_calls = conn.calls - calls_before
-    errors = []
-    for _ in range(3):
-        x = torch.randn(tokens, hidden, device=dev, generator=gen)
-        static_in.copy_(x)
-        graph.replay()
-        want = model(x)
-        torch.cuda.synchronize()
-        err = (static_out - want).abs().max().item()
-        errors.append(err)
+    error = _replay_error(graph, static_in, static_out, model, gen)
     calls_after_replays = conn.calls
     eager_ms = _time(lambda: model(static_in), 20)
     graph_ms = _time(graph.replay, 20)
     install_connector(None)
     replay_calls = calls_after_replays - calls_before - captured_calls - 3 * layers
-    ok = max(errors) < 1e-3 and captured_calls == layers and replay_calls == 0
+    ok = error < 1e-3 and captured_calls == layers and replay_calls == 0
     return {
         "ok": ok,
         "layers": layers,
         "ops_captured": captured_calls,
         "python_calls_during_replays": replay_calls,
-        "max_abs_error_vs_eager": max(errors),
+        "max_abs_error_vs_eager": error,
         "eager_ms": round(eager_ms, 3),
         "graph_replay_ms": round(graph_ms, 3),
         "speedup": round(eager_ms / graph_ms, 2),
@@ -351,32 +368,14 @@ def nccl_transport(timeout_s=1.0) -> dict:
 
 
 def microbatch_threads_graph(tokens=256, hidden=2048, layers=8) -> dict:
-    from afd_core.connectors.device import CudaRuntime
-    from afd_core.exchange import ffn_exchange_op
     from afd_core.runtime import install_connector
     from afd_core.step.microbatch import MicrobatchExecutor
 
+    model, conn, gen = _loopback_decoder(layers, hidden, seed=1)
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(1)
-
-    def weights():
-        return [
-            torch.randn(hidden, hidden, device=dev, generator=gen) / hidden**0.5
-            for _ in range(layers)
-        ]
-
-    attn_w, ffn_w = weights(), weights()
-    conn = LoopbackConnector(ffn_w, CudaRuntime(dev))
-    install_connector(conn)
-    op = ffn_exchange_op()
     executor = MicrobatchExecutor()  # the hand-over at the yield, as vLLM's UBatchContext
     stream = torch.cuda.Stream()  # the capturing stream, every micro-batch thread's
     half = tokens // 2
-
-    def model(x):
-        for layer in range(layers):
-            x = x + op(x @ attn_w[layer], layer, None, None)
-        return x
 
     def split(x):
         def job(i):
@@ -399,25 +398,18 @@ def microbatch_threads_graph(tokens=256, hidden=2048, layers=8) -> dict:
     with torch.cuda.graph(graph, stream=stream):
         static_out = split(static_in)
     captured_order = list(conn.order)
-    errors = []
-    for _ in range(3):
-        x = torch.randn(tokens, hidden, device=dev, generator=gen)
-        static_in.copy_(x)
-        graph.replay()
-        want = model(x)  # unsplit, eager
-        torch.cuda.synchronize()
-        errors.append((static_out - want).abs().max().item())
+    error = _replay_error(graph, static_in, static_out, model, gen)  # vs unsplit, eager
     with torch.cuda.stream(stream):
         eager_ms = _time(lambda: split(static_in), 10)
     graph_ms = _time(graph.replay, 20)
     executor.close()
     install_connector(None)
     expected_order = [(layer, mb) for layer in range(layers) for mb in (0, 1)]
-    ok = max(errors) < 1e-3 and captured_order == expected_order
+    ok = error < 1e-3 and captured_order == expected_order
     return {
         "ok": ok,
         "exchange_order_interleaved": captured_order == expected_order,
-        "max_abs_error_vs_unsplit_eager": max(errors),
+        "max_abs_error_vs_unsplit_eager": error,
         "eager_split_ms": round(eager_ms, 3),
         "graph_replay_ms": round(graph_ms, 3),
         "speedup": round(eager_ms / graph_ms, 2),

@@ -168,15 +168,14 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
 
 def validate_cuda(afd, vllm_config) -> None:
     """What the CUDA path does not run yet, each with its alternative."""
-    from afd_core.step.graphs import SUPPORTED_GRAPH_MODES
+    from afd_core.step.graphs import SUPPORTED_GRAPH_MODES, graph_mode_name
 
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise AFDDeploymentError(
             "AFD on CUDA runs vLLM's V1 GPU model runner; vLLM chose its V2 runner here: "
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
-    mode = vllm_config.compilation_config.cudagraph_mode
-    name = getattr(mode, "name", "NONE")
+    name = graph_mode_name(vllm_config)
     if name not in SUPPORTED_GRAPH_MODES:
         raise AFDDeploymentError(
             f"AFD on CUDA: cudagraph_mode={name} is not supported (vLLM's default is "
@@ -196,9 +195,10 @@ def validate_cuda(afd, vllm_config) -> None:
 def validate_cuda_microbatches(m: int, vllm_config) -> None:
     """DBO with graphs runs through vLLM's UBatchWrapper, which splits in two; eagerly,
     AFD's own executor runs up to 4 (afd_core.step.vllm_ubatch)."""
+    from afd_core.step.graphs import graph_mode_name
     from afd_core.step.vllm_ubatch import VLLM_UBATCHES
 
-    mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
+    mode = graph_mode_name(vllm_config)
     if m > VLLM_UBATCHES and mode != "NONE":
         raise AFDDeploymentError(
             f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode}: "

@@ -41,6 +41,11 @@ class GraphPhase(enum.Enum):
     REPLAY = "replay"
 
 
+def graph_mode_name(vllm_config) -> str:
+    """vLLM's CUDAGraphMode of the config by name; "NONE" when it has none."""
+    return getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
+
+
 def find_graph_wrapper(model) -> Any | None:
     """vLLM's graph wrapper around the attention model, if the runner made one: its
     CUDAGraphWrapper, or AFD's UBatchWrapper (step/vllm_ubatch.py) for DBO with graphs."""

@@ -103,8 +103,8 @@ class AttentionStepEngine:
     def set_policy(self, policy: SplitPolicy) -> None:
         if self.vllm_ubatching and (
             policy.num_microbatches not in (1, self.max_microbatches)
-            or policy.threshold_for([1]) != self.policy.threshold_for([1])
-            or policy.threshold_for([2]) != self.policy.threshold_for([2])
+            or policy.decode_token_threshold != self.policy.decode_token_threshold
+            or policy.prefill_token_threshold != self.policy.prefill_token_threshold
         ):
             raise ValueError(
                 f"{policy}: this attention server captured its graphs split by vLLM's "

@@ -15,7 +15,7 @@ import contextlib
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache
+from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache, graph_mode_name
 from afd_core.step.vllm_ubatch import uses_vllm_ubatching
 from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
 from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
@@ -33,17 +33,12 @@ class AFDCUDAAttentionWorker(AttentionWorkerMixin, Worker):
 
     def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
         # DBO with graphs: vLLM's UBatchWrapper captures both micro-batches in one graph
-        return uses_vllm_ubatching(num_microbatches, _graph_mode(self.vllm_config))
-
-
-def _graph_mode(vllm_config) -> str:
-    mode = vllm_config.compilation_config.cudagraph_mode
-    return "NONE" if mode is None else mode.name
+        return uses_vllm_ubatching(num_microbatches, graph_mode_name(self.vllm_config))
 
 
 def ffn_graphs_enabled(vllm_config) -> bool:
     """The FFN server captures whole steps when it runs with FULL_DECODE_ONLY graphs."""
-    return _graph_mode(vllm_config) == "FULL_DECODE_ONLY"
+    return graph_mode_name(vllm_config) == "FULL_DECODE_ONLY"
 
 
 class AFDCUDAFFNWorker(FFNWorkerMixin, Worker):

@@ -63,7 +63,9 @@ _patched: list[tuple[object, str]] = []  # (owner, attribute) this patch replace
 # -- the platform hook ------------------------------------------------------------------
 def validate_npu(afd, microbatches: int, vllm_config) -> None:
     """What the NPU path does not run yet, each with the reason and the alternative."""
-    mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", "NONE")
+    from afd_core.step.graphs import graph_mode_name
+
+    mode = graph_mode_name(vllm_config)
     if mode != "NONE":
         raise AFDDeploymentError(
             f"AFD on Ascend: cudagraph_mode={mode} (ACL graphs) is not supported yet: AFD's "
