@@ -7,18 +7,21 @@
   process group per communicator with a single tag, so a receive takes the peer's sends in
   issue order and a size mismatch or an ordering bug shows; each operation blocks its
   stream until the peer's matching one comes, so a receive enqueued before a send on one
-  stream would deadlock here as it does on a GPU.
+  stream would deadlock here as it does on a GPU; and a pair's first operation blocks the
+  host until the peer's first operation on that communicator, as NCCL's lazy connection
+  does.
 
 Spawned test processes import this module, so it holds no test functions.
 """
 
 from __future__ import annotations
 
-import datetime
+import os
 import queue
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 from afd_core.connectors.device import DeviceRuntime
 from afd_core.connectors.transport import TransportError
@@ -116,18 +119,47 @@ class HostRuntime(DeviceRuntime):
         stream.enqueue(fn)
 
 
+# How long a pair's first operation waits on the host for the peer's first operation on
+# the same communicator; NCCL waits forever, the stand-in fails the test instead
+HANDSHAKE_S = float(os.environ.get("AFD_TEST_NCCL_HANDSHAKE_S", "20"))
+
+
 class OrderedGlooComm:
-    def __init__(self, pg):
+    """One communicator. As NCCL's, a pair connects at its first operation, and that
+    operation blocks the calling host thread until the peer's first operation on this
+    communicator is posted: an order of first operations that NCCL would deadlock on
+    fails here (after HANDSHAKE_S) instead of passing."""
+
+    def __init__(self, pg, store, rank: int):
         self._pg = pg
+        self._store, self._rank = store, rank
+        self._connected: set[int] = set()
         self.sent: list[tuple[int, tuple]] = []  # (peer, shape) in issue order, for tests
         self.received: list[tuple[int, tuple]] = []
         self.aborted = False
 
+    def _connect(self, peer: int) -> None:
+        if peer in self._connected:
+            return
+        self._store.set(f"first/{self._rank}->{peer}", b"1")
+        try:
+            self._store.wait([f"first/{peer}->{self._rank}"], timedelta(seconds=HANDSHAKE_S))
+        except Exception:  # noqa: BLE001 - the store's timeout, whatever its type
+            raise TransportError(
+                f"NCCL stand-in: the first operation of rank {self._rank} with rank {peer} on "
+                f"this communicator found no first operation of the peer within "
+                f"{HANDSHAKE_S:.0f}s (NCCL would block here forever: each side waits for "
+                "the other's first operation)"
+            ) from None
+        self._connected.add(peer)
+
     def send(self, tensor, peer: int, stream) -> None:
+        self._connect(peer)
         self.sent.append((peer, tuple(tensor.shape)))
         stream.enqueue(lambda: self._op(self._pg.send, tensor, peer))
 
     def recv(self, tensor, peer: int, stream) -> None:
+        self._connect(peer)
         self.received.append((peer, tuple(tensor.shape)))
         stream.enqueue(lambda: self._op(self._pg.recv, tensor, peer))
 
@@ -156,20 +188,25 @@ class OrderedGlooFactory:
         import torch.distributed as dist
 
         store = dist.TCPStore(self.host, self.port, None, False, wait_for_workers=False)
+        prefix = "standin/" + unique_id.hex()
         pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("standin/" + unique_id.hex(), store),
-            rank,
-            size,
-            datetime.timedelta(seconds=self.timeout_s),
+            dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=self.timeout_s)
         )
-        comm = OrderedGlooComm(pg)
+        comm = OrderedGlooComm(pg, dist.PrefixStore(prefix + "/handshake", store), rank)
         self.comms.append(comm)
         return comm
 
 
 def nccl_standin_connector(cfg, rank, wire):
-    """An NcclConnector over the stand-ins (cfg: an afd config naming connector 'nccl')."""
+    """An NcclConnector over the stand-ins (cfg: an afd config naming connector 'nccl').
+    AFD_TEST_NO_PRECONNECT=1: the transport skips connecting its pairs at start-up (to show
+    the stand-in catches the deadlock that would follow)."""
     from afd_core.connectors.nccl import NcclConnector
+
+    if os.environ.get("AFD_TEST_NO_PRECONNECT"):
+        from afd_core.connectors.device_transport import DeviceTransport
+
+        DeviceTransport._preconnect = lambda self: None
 
     return NcclConnector(
         cfg, rank, wire, runtime=HostRuntime(), comm_factory=OrderedGlooFactory(cfg.host, cfg.port)
@@ -182,7 +219,7 @@ def gloo_backend(store, rank: int, size: int, timeout_s: float, name: str):
     issue order, as HCCL's do."""
     import torch.distributed as dist
 
-    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 def hccl_standin_connector(cfg, rank, wire):

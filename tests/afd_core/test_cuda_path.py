@@ -87,6 +87,31 @@ def test_v2_model_runner_and_ffn_tensor_parallel_are_rejected(cuda_check, monkey
         cuda_check({"role": "attention"}, before=v2)
 
 
+def test_disabled_pynccl_and_dense_dbo_with_graphs_under_dp_are_rejected(cuda_check, monkeypatch):
+    """VLLM_DISABLE_PYNCCL makes vLLM's communicator a silent no-op (send/recv return at
+    once): rejected by name. A dense model's DBO with graphs under data parallel would
+    trip vLLM's UBatchWrapper DP-metadata assert: rejected with the alternatives."""
+    from afd_core.patches.config_validation import validate_cuda_microbatches
+
+    monkeypatch.setenv("VLLM_DISABLE_PYNCCL", "1")
+    with pytest.raises(Exception, match="VLLM_DISABLE_PYNCCL is set.*unset it"):
+        cuda_check({"role": "attention"})
+    monkeypatch.delenv("VLLM_DISABLE_PYNCCL")
+    cfg = cuda_check({"role": "attention"})
+    pc = cfg.parallel_config
+    monkeypatch.setattr(pc, "data_parallel_size", 2)
+    monkeypatch.setattr(pc, "is_moe_model", False)
+    with pytest.raises(Exception, match="needs a MoE model.*--enforce-eager"):
+        validate_cuda_microbatches(2, cfg)
+    validate_cuda_microbatches(1, cfg)  # no DBO: fine
+    monkeypatch.setattr(pc, "is_moe_model", True)
+    validate_cuda_microbatches(2, cfg)
+    src = inspect.getsource(
+        __import__("vllm.v1.worker.gpu_ubatch_wrapper", fromlist=["x"]).UBatchWrapper.__call__
+    )
+    assert "assert dp_metadata is not None" in src  # what the rejection stands for
+
+
 def test_the_cpu_connector_is_rejected_on_cuda(cuda_check):
     with pytest.raises(Exception, match="connector='gloo' runs on cpu.*allowed here: 'nccl'"):
         cuda_check({"role": "attention", "connector": "gloo"})

@@ -76,9 +76,31 @@ def test_a_failure_while_capturing_is_not_kept_and_the_cache_is_bounded():
     failed = StepStatus(0, StatusCode.STEP_FAILED, 1, 0, 0, "boom")
     out, _ = run(cache, plan(((1,),), ControlFlag.CAPTURE), result=failed)
     assert out is failed and len(cache) == 0
+    assert run(cache, plan(((1,),)))[1] == ["layers"]  # not kept: eager until captured again
     run(cache, plan(((1,),), ControlFlag.CAPTURE))
-    run(cache, plan(((2,),), ControlFlag.CAPTURE))  # past the bound: eager
-    assert len(cache) == 1 and cache.stats.eager == 1
+    # past the bound a capture still captures (the peers record, nothing would move for an
+    # eager run): the least recently used key goes
+    assert run(cache, plan(((2,),), ControlFlag.CAPTURE))[1] == ["layers", "settle"]
+    assert len(cache) == 1 and cache.stats.captured == 3
+    assert run(cache, plan(((1,),)))[1] == ["layers"]
+    assert run(cache, plan(((2,),)))[1] == []
+
+
+def test_a_capture_step_always_captures_and_a_second_capture_replaces_the_graph():
+    """vLLM captures its largest sizes twice at start-up (the memory profile's captures are
+    dropped, then capture_model captures again): the FFN side captures each time, never
+    replaying or running eagerly on a CAPTURE step, and replays the newest graph after.
+    A drill (eager_only) does not turn a capture into an eager run either."""
+    backend = RecordingBackend()
+    cache = FFNGraphCache(backend)
+    key = ((4, 4),)
+    assert run(cache, plan(key, ControlFlag.CAPTURE))[1] == ["layers", "settle"]
+    assert run(cache, plan(key, ControlFlag.CAPTURE))[1] == ["layers", "settle"]
+    assert run(cache, plan(key, ControlFlag.CAPTURE), eager_only=True)[1] == ["layers", "settle"]
+    assert run(cache, plan(key))[1] == []
+    assert backend.events == ["capture", "capture", "capture", ("replay", "graph3")]
+    assert len(cache) == 1
+    assert cache.stats.as_dict() == {"captured": 3, "replayed": 1, "eager": 0}
 
 
 @pytest.mark.vllm

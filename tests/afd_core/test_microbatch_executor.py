@@ -117,3 +117,34 @@ def test_limits():
     ex.close()
     with pytest.raises(RuntimeError, match="closed"):
         ex.run([lambda: 0])
+
+
+def test_every_job_runs_on_the_callers_accelerator_stream(monkeypatch):
+    """A new thread starts on the device's default stream, vLLM's runner works on its own:
+    each job makes the caller's current stream (read in run(), on the caller's thread)
+    current before it runs, step after step. The accelerator is stood in (CPU here; the
+    real CUDA streams are in tests/gpu/nccl_check.py's eager DBO scenario)."""
+    import afd_core.step.microbatch as microbatch
+
+    current = threading.local()
+    monkeypatch.setattr(microbatch, "caller_stream", lambda: getattr(current, "stream", None))
+    monkeypatch.setattr(microbatch, "enter_stream", lambda s: setattr(current, "stream", s))
+
+    def job():
+        seen = [getattr(current, "stream", None)]
+        assert yield_to_next_microbatch()
+        seen.append(getattr(current, "stream", None))
+        return seen
+
+    ex = MicrobatchExecutor()
+    for stream in ("runner-stream-A", "runner-stream-B"):
+        current.stream = stream  # the caller's
+        assert ex.run([job, job]) == [[stream, stream], [stream, stream]]
+    ex.close()
+
+
+def test_caller_stream_is_none_without_an_accelerator():
+    from afd_core.step.microbatch import caller_stream, enter_stream
+
+    assert caller_stream() is None  # CPU (or no torch imported)
+    enter_stream(None)  # nothing to do

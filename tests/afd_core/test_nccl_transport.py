@@ -74,6 +74,26 @@ def test_ffn_abort_reaches_the_peers_over_the_control_channel(over_nccl):
         assert "attention rank 1 announced step 2" in last, last
 
 
+def test_pairs_connect_at_start_up_so_the_first_step_cannot_deadlock(monkeypatch):
+    """NCCL connects a pair at its first operation, blocking the host until the peer's
+    first operation on the same communicator (the stand-in does too). Without the
+    start-up connection the first step deadlocks (the attention rank's first operation is
+    its receive on `from_first`, the FFN rank's its receive on `to_first`): the stand-in
+    turns that into an error naming it; with it, 2 peers x m = 2 run."""
+    monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_NCCL_HANDSHAKE_S", "3")
+    steps = {0: [(2, 3), (1,)], 1: [(4,), (0, 2)]}
+    results = step_protocol.deploy(2, 1, steps, timeout=10.0)
+    assert_no_errors(results)
+    assert results[("attention", 0)] == ["ok", "ok"]
+    assert results[("attention", 1)] == ["ok", "ok"]
+    monkeypatch.setenv("AFD_TEST_NO_PRECONNECT", "1")
+    results = step_protocol.deploy(2, 1, {0: [(2,)], 1: [(1,)]}, timeout=10.0)
+    for key in (("ffn", 0), ("attention", 0)):
+        text = str(results[key])
+        assert "found no first operation of the peer" in text, text
+
+
 # -- what the NCCL transport does with communicators, streams and buffers ----------------
 
 
@@ -146,9 +166,10 @@ def test_one_communicator_per_direction_and_fixed_receive_buffers(over_nccl):
     ffn, attn = out["ffn"], out["attention"]
     exchanges = 3 * (1 + 2 + 1)  # layers x micro-batches over the three steps
     # attention -> FFN: rows, logits and token ids (3 per exchange) on `to_first` only;
-    # FFN -> attention: the outputs on `from_first` only; two streams on each side
-    assert attn["comms"] == {"to_first": (3 * exchanges, 0), "from_first": (0, exchanges)}
-    assert ffn["comms"] == {"to_first": (0, 3 * exchanges), "from_first": (exchanges, 0)}
+    # FFN -> attention: the outputs on `from_first` only; two streams on each side; plus
+    # the one-byte operation each way that connected the pair at start-up
+    assert attn["comms"] == {"to_first": (3 * exchanges + 1, 0), "from_first": (0, exchanges + 1)}
+    assert ffn["comms"] == {"to_first": (0, 3 * exchanges + 1), "from_first": (exchanges + 1, 0)}
     assert ffn["streams"] == 2
     # the receive waits ordered the caller after the operations (3 sends + 1 receive each)
     assert attn["waits"] == 4 * exchanges

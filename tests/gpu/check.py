@@ -1,7 +1,8 @@
-"""The CUDA path's device check, for one GPU with PyTorch and NCCL and no vLLM.
+"""The CUDA path's single-process device checks, for one GPU with PyTorch and no vLLM.
 
-NCCL refuses two ranks of one communicator on the same GPU, so the cross-rank NCCL path
-cannot run on one GPU; what can, runs here, with AFD's real code:
+The cross-process NCCL path (two or three processes sharing the GPU, each with its own
+NCCL_HOSTID) is tests/gpu/nccl_check.py; tests/gpu/run.sh runs both. Here, in one process,
+with AFD's real code:
 
 1. `exchange_op_graph`: the attention side's exchange op (torch.ops.afd.ffn_exchange)
    inside a toy decoder captured in one CUDA graph, over a same-process loopback connector
@@ -157,7 +158,9 @@ def exchange_op_graph(tokens=256, hidden=2048, layers=8) -> dict:
     graph_ms = _time(graph.replay, 20)
     install_connector(None)
     replay_calls = calls_after_replays - calls_before - captured_calls - 3 * layers
-    ok = error < 1e-3 and captured_calls == layers and replay_calls == 0
+    # (no Python can run in a replay, so the count of op calls during replays is a record,
+    # not a check; the replays' outputs are what shows the exchanges ran)
+    ok = error < 1e-3 and captured_calls == layers
     return {
         "ok": ok,
         "layers": layers,

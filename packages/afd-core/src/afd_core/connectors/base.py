@@ -169,3 +169,8 @@ class AFDConnector(ABC):
     @abstractmethod
     def abort(self, reason: str) -> None:
         """Tell the peers this rank stops the deployment, with the reason (best effort)."""
+
+    def watch_replay(self, what: str) -> None:
+        """A device graph holding this rank's exchanges was just replayed: bound it as the
+        transport bounds a posted operation (no-op where operations block the host)."""
+        return None

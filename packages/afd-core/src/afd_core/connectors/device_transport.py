@@ -14,6 +14,7 @@ channel (docs/protocol.md), so the tags the protocol passes are not needed here.
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from typing import Protocol
 
@@ -51,6 +52,9 @@ class CommFactory(Protocol):
 DIRECTIONS = ("to_first", "from_first")  # attention -> FFN (group rank 0), and back
 
 
+PRECONNECT_POLL_S = 0.001
+
+
 class DeviceTransport(StoreTransport):
     channel = "device"  # the communicator's name in error messages (NCCL, HCCL)
 
@@ -81,6 +85,55 @@ class DeviceTransport(StoreTransport):
         self._watchdog = Watchdog(
             f"afd-g{self.group}-r{self.group_rank}", self._expired, self.runtime.thread_init
         )
+        self._preconnect()
+
+    def _preconnect(self) -> None:
+        """Connect every point-to-point pair now, in one order all members follow.
+
+        NCCL connects a pair lazily, at its first send or receive, with a host-side
+        handshake that blocks until the peer's first operation on the same communicator.
+        The protocol's first step would post the FFN rank's receive on `to_first` while the
+        attention rank posts its receive on `from_first`: each host waits for the other's
+        first operation on the other communicator, forever, before anything is enqueued for
+        the watchdog to see. Here one byte goes each way, `to_first` first (the peers send,
+        group rank 0 receives from each in rank order), then `from_first`; the wait is
+        bounded by the connect timeout."""
+        import torch
+
+        rt = self.runtime
+        first = self.group_rank == 0
+        peers = range(1, self.group_size) if first else (0,)
+        buffers, events = [], []
+        for direction in DIRECTIONS:
+            sending = first == (direction == "from_first")
+            stream = self._send_stream if sending else self._recv_stream
+            comm = self._comms[direction]
+            for peer in peers:
+                buf = torch.zeros(1, dtype=torch.uint8, device=rt.device)
+                stream.wait_stream(rt.current_stream())
+                try:
+                    (comm.send if sending else comm.recv)(buf, peer, stream)
+                except Exception as exc:
+                    self._abort_comms()
+                    raise TransportError(
+                        f"connecting the {self.channel} pair with group rank {peer} "
+                        f"({direction}): {type(exc).__name__}: {exc}"
+                    ) from None
+                event = rt.new_event()
+                event.record(stream)
+                buffers.append(buf)
+                events.append((event, direction, peer))
+        deadline = time.monotonic() + self.connect_timeout_s
+        for event, direction, peer in events:
+            while not event.query():
+                if time.monotonic() > deadline:
+                    self._abort_comms()
+                    raise TransportError(
+                        f"the {self.channel} pair with group rank {peer} ({direction}) did "
+                        f"not connect within {self.connect_timeout_s:.0f}s"
+                    )
+                time.sleep(PRECONNECT_POLL_S)
+        del buffers  # the operations completed: their buffers may go
 
     def _expired(self, what: str, timeout_s: float) -> None:
         self._failure = (
@@ -119,11 +172,17 @@ class DeviceTransport(StoreTransport):
         event = runtime.new_event()
         event.record(stream)
         if not runtime.is_capturing():
-            # a captured operation runs at replay, where no Python runs: the step's status
-            # (control channel, bounded) is what notices a stuck replay
+            # a captured operation runs at replay, where no Python runs: the replay as a
+            # whole is watched instead (watch_device_work, after each replay)
             runtime.record_stream(tensor, stream)
             self._watchdog.watch(event, what, self.timeout_s)
         return DeviceHandle(runtime, event, self._check)
+
+    def watch_device_work(self, what: str) -> None:
+        self._check()
+        event = self.runtime.new_event()
+        event.record(self.runtime.current_stream())
+        self._watchdog.watch(event, what, self.timeout_s)
 
     def isend(self, tensor, peer: int, tag: int) -> Handle:
         return self._post(

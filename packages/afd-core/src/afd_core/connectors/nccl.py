@@ -18,6 +18,8 @@ from afd_core.connectors.device_transport import (
     DeviceConnector,
     DeviceTransport,
 )
+from afd_core.connectors.transport import TransportError
+from afd_core.errors import AFDConfigError
 
 
 class _PyNcclComm:
@@ -49,7 +51,34 @@ class PyNcclFactory:
     def connect(self, unique_id: bytes, rank: int, size: int, device, store=None) -> DeviceComm:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-        return _PyNcclComm(PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, size, device))
+        comm = PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, size, device)
+        if comm.disabled:
+            # a disabled PyNccl's send and recv return without doing anything
+            raise TransportError(_disabled_reason(size))
+        return _PyNcclComm(comm)
+
+
+def _disabled_reason(size: int) -> str:
+    if size < 2:
+        return f"an NCCL communicator of {size} rank moves nothing (vLLM disables it)"
+    return (
+        "vLLM's PyNccl communicator is disabled (VLLM_DISABLE_PYNCCL is set), so its sends "
+        "and receives would do nothing; the nccl connector needs it: unset "
+        "VLLM_DISABLE_PYNCCL"
+    )
+
+
+def check_pynccl_enabled() -> None:
+    """Start-up check, before any resource is made: the nccl connector cannot run with
+    VLLM_DISABLE_PYNCCL set."""
+    import vllm.envs as envs
+
+    if envs.VLLM_DISABLE_PYNCCL:
+        raise AFDConfigError(
+            "connector 'nccl': VLLM_DISABLE_PYNCCL is set, which turns vLLM's NCCL "
+            "communicator into one whose sends and receives do nothing; unset it (AFD's "
+            "data channel is that communicator)"
+        )
 
 
 class NcclTransport(DeviceTransport):

@@ -77,12 +77,16 @@ class Exchange:
     """One layer/micro-batch in flight on the attention side: the FFN output's receive is
     posted, the rows are sent. `wait()` returns the FFN output."""
 
-    def __init__(self, connector, layer: int, microbatch: int, out, handles: list[Handle]):
+    def __init__(self, connector, layer: int, microbatch: int, out, handles: list[Handle], sent=()):
         self._connector = connector
         self.layer = layer
         self.microbatch = microbatch
         self.out = out
         self._handles = handles  # receive first, then the sends
+        # the tensors being sent, alive until the sends are joined: while a graph is
+        # captured no allocator stream use is recorded, and a temporary freed earlier would
+        # go back to the graph's pool for the next micro-batch's kernels to overwrite
+        self._sent = sent
         self.done = False
 
     def wait(self):
@@ -146,7 +150,8 @@ class PointToPointConnector(AFDConnector):
         self._inbox: ControlInbox | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
-        self._pending_sends: list[tuple[int, int, int, Handle]] = []  # peer, layer, mb, handle
+        self._held_control: list = []  # control messages held back to the next step
+        self._pending_sends: list[tuple] = []  # peer, layer, mb, handle, the tensor sent
         # FFN side: two sets of receive buffers (rows, router logits, token ids) used in
         # turn, so the receive of the next layer/micro-batch lands in one while the other is
         # computed; each grows as needed (a fresh large tensor per layer costs an mmap and
@@ -565,24 +570,20 @@ class PointToPointConnector(AFDConnector):
         if out is None:
             out = torch.empty_like(hidden_states)
         handles: list[Handle] = []
+        sent = [hidden_states]
         if rows:
             try:
                 handles.append(t.irecv(out, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
                 handles.append(t.isend(hidden_states, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
                 if self.wire.router_width:
-                    handles.append(
-                        t.isend(
-                            router_logits.contiguous(),
-                            0,
-                            data_tag(layer, microbatch, KIND_LOGITS),
-                        )
-                    )
+                    sent.append(router_logits.contiguous())
+                    handles.append(t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_LOGITS)))
                 if self.wire.token_ids:
-                    ids = token_ids.to(torch.int64).contiguous()
-                    handles.append(t.isend(ids, 0, data_tag(layer, microbatch, KIND_TOKENS)))
+                    sent.append(token_ids.to(torch.int64).contiguous())
+                    handles.append(t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_TOKENS)))
             except TransportError as exc:
                 raise self._exchange_error(step, layer, microbatch, exc) from None
-        ex = Exchange(self, layer, microbatch, out, handles)
+        ex = Exchange(self, layer, microbatch, out, handles, tuple(sent))
         step.inflight[microbatch] = ex
         return ex
 
@@ -597,6 +598,7 @@ class PointToPointConnector(AFDConnector):
             raise self._exchange_error(step, ex.layer, ex.microbatch, exc) from None
         finally:
             ex.done = True
+            ex._sent = ()  # joined into the caller's stream: later work is ordered after
             step.inflight.pop(ex.microbatch, None)
         step.next_layer[ex.microbatch] = ex.layer + 1
 
@@ -678,6 +680,13 @@ class PointToPointConnector(AFDConnector):
                 f"micro-batch(es) {sorted(step.inflight)} exchanged in Python"
             )
         step.next_layer = [self.wire.num_exchange_layers] * len(step.rows)
+        self.watch_replay(f"the replayed exchanges of step {step.number} with {self._peer_name(0)}")
+
+    def watch_replay(self, what: str) -> None:
+        try:
+            self._transport.watch_device_work(what)
+        except TransportError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
 
     def abort_step(self) -> str:
         """Finish the step in flight after a local failure: complete what is in flight,
@@ -685,8 +694,6 @@ class PointToPointConnector(AFDConnector):
         the FFN rank stays in step and the next step can run. Returns where each
         micro-batch had stopped; AFDPeerError if the transport cannot (then the deployment
         cannot go on)."""
-        import torch
-
         step = self._current
         if step is None:
             return ""
@@ -695,33 +702,25 @@ class PointToPointConnector(AFDConnector):
             for mb, n in enumerate(step.next_layer)
             if step.rows[mb]
         )
-        dtype = getattr(torch, self.wire.dtype)
         for mb in sorted(step.inflight):
             ex = step.inflight[mb]
             ex.wait()
-        for mb, rows in enumerate(step.rows):
-            if not rows:
-                continue
-            zeros = torch.zeros(rows, self.wire.hidden_size, dtype=dtype, device=self.device)
-            logits = (
-                torch.zeros(
-                    rows,
-                    self.wire.router_width,
-                    dtype=getattr(torch, self.wire.router_dtype),
-                    device=self.device,
-                )
-                if self.wire.router_width
-                else None
-            )
-            ids = (
-                torch.zeros(rows, dtype=torch.int64, device=self.device)
-                if self.wire.token_ids
-                else None
-            )
-            for layer in range(step.next_layer[mb], self.wire.num_exchange_layers):
-                self.start_exchange(zeros, layer, mb, logits, token_ids=ids).wait()
+        zeros = {mb: self._zero_rows(rows) for mb, rows in enumerate(step.rows) if rows}
+        # layer-major, micro-batch-minor, as the FFN rank walks the step: a channel that
+        # matches in issue order (NCCL, HCCL) would otherwise pair the rows of different
+        # micro-batches, whose sizes differ
+        for layer in range(min(step.next_layer, default=0), self.wire.num_exchange_layers):
+            for mb, (rows, logits, ids) in zeros.items():
+                if layer >= step.next_layer[mb]:
+                    self.start_exchange(rows, layer, mb, logits, token_ids=ids).wait()
         self._finish(step)
         return stopped
+
+    def _zero_rows(self, rows: int) -> tuple:
+        """Rows of zeros as an aborted step sends them: (hidden, router logits, token ids)."""
+        import torch
+
+        return self._wire_tensors(rows, torch.zeros)
 
     # -- FFN side ------------------------------------------------------------------------------
     def recv_control(self) -> StepPlan:
@@ -733,15 +732,20 @@ class PointToPointConnector(AFDConnector):
         if self._inbox is None:
             self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
             self._inbox.start()
+        held, self._held_control = self._held_control, []
+
+        def next_item(block: bool):
+            return held.pop(0) if held else self._inbox.get(block)
+
         arrived: dict[int, ControlMessage] = {}
-        self._take_control(self._inbox.get(), arrived)
+        self._take_control(next_item(True), arrived)
         while True:
             servers = {self._peer_server[i] for i in arrived}
             waiting_for_mate = any(
                 self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
                 for j in range(len(self.peers))
             )
-            item = self._inbox.get(block=waiting_for_mate)
+            item = next_item(waiting_for_mate)
             if item is None:
                 break
             self._take_control(item, arrived)
@@ -765,7 +769,9 @@ class PointToPointConnector(AFDConnector):
         return self._plan
 
     def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
-        """Check one peer's control message and add it to the step."""
+        """Check one peer's control message and add it to the step, or hold it back for the
+        next step: a capture is served alone (its peers record their operations, nothing
+        moves), never in the same step as another server's real one."""
         i, payload = item
         if not self._active_peers[i]:
             return  # a peer that left: its listener's last receive failed
@@ -788,6 +794,15 @@ class PointToPointConnector(AFDConnector):
                 f"{self._peer_step[i]} is next for it (a control message was lost or sent "
                 "twice; the two sides are out of step)"
             )
+        if not msg.is_shutdown and self._peer_server[i] not in {
+            self._peer_server[j] for j in arrived
+        }:
+            live = [m for m in arrived.values() if not m.is_shutdown]
+            if live and bool(live[0].flags & ControlFlag.CAPTURE) != bool(
+                msg.flags & ControlFlag.CAPTURE
+            ):
+                self._held_control.append(item)
+                return
         if msg.is_shutdown:
             self._active_peers[i] = False
             logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
@@ -892,13 +907,20 @@ class PointToPointConnector(AFDConnector):
     def _allocate_receive_buffers(self, capacity: int) -> tuple:
         import torch
 
+        return self._wire_tensors(capacity, torch.empty)
+
+    def _wire_tensors(self, rows: int, make) -> tuple:
+        """`make` (torch.empty, torch.zeros) of what one micro-batch carries on the wire:
+        (hidden states, router logits or None, token ids or None)."""
+        import torch
+
         w, dev = self.wire, self.device
         return (
-            torch.empty(capacity, w.hidden_size, dtype=getattr(torch, w.dtype), device=dev),
-            torch.empty(capacity, w.router_width, dtype=getattr(torch, w.router_dtype), device=dev)
+            make(rows, w.hidden_size, dtype=getattr(torch, w.dtype), device=dev),
+            make(rows, w.router_width, dtype=getattr(torch, w.router_dtype), device=dev)
             if w.router_width
             else None,
-            torch.empty(capacity, dtype=torch.int64, device=dev) if w.token_ids else None,
+            make(rows, dtype=torch.int64, device=dev) if w.token_ids else None,
         )
 
     def send_ffn_output(self, output, layer: int, microbatch: int = 0) -> None:
@@ -933,7 +955,8 @@ class PointToPointConnector(AFDConnector):
                 handle = t.isend(output[off : off + n], i + 1, tag)
             except TransportError as exc:
                 raise self._return_error(i, layer, microbatch, exc) from None
-            self._pending_sends.append((i, layer, microbatch, handle))
+            # the output stays referenced until settle_sends joins the send (see Exchange)
+            self._pending_sends.append((i, layer, microbatch, handle, output))
             off += n
 
     def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
@@ -945,7 +968,7 @@ class PointToPointConnector(AFDConnector):
     def settle_sends(self) -> None:
         self._require("ffn")
         try:
-            for i, layer, mb, handle in self._pending_sends:
+            for i, layer, mb, handle, _sent in self._pending_sends:
                 try:
                     handle.wait()
                 except TransportError as exc:

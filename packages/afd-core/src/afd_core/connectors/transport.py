@@ -101,6 +101,13 @@ class Transport(ABC):
         """Receive a step's status (CPU uint8); the handle's wait is bounded by the
         transport's step timeout."""
 
+    def watch_device_work(self, what: str) -> None:
+        """Bound the device work enqueued so far on the caller's current stream (a replayed
+        graph's exchanges, which no Python posted) like a posted operation: past the step
+        timeout the data channel is aborted and the next call raises. Host transports
+        block on every operation already: nothing to do."""
+        return None
+
     # blocking forms
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self.isend(tensor, peer, tag).wait()

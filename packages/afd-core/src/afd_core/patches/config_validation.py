@@ -182,6 +182,10 @@ def validate_cuda(afd, vllm_config) -> None:
             "FULL_AND_PIECEWISE); allowed: FULL_DECODE_ONLY (pass --compilation-config "
             '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\') or none (--enforce-eager)'
         )
+    if afd.connector == "nccl":
+        from afd_core.connectors.nccl import check_pynccl_enabled
+
+        check_pynccl_enabled()
     pc = vllm_config.parallel_config
     if afd.is_ffn and pc.tensor_parallel_size > 1:
         raise AFDDeploymentError(
@@ -199,6 +203,16 @@ def validate_cuda_microbatches(m: int, vllm_config) -> None:
     from afd_core.step.vllm_ubatch import VLLM_UBATCHES
 
     mode = graph_mode_name(vllm_config)
+    pc = vllm_config.parallel_config
+    if m > 1 and mode != "NONE" and pc.data_parallel_size > 1 and pc.is_moe_model is False:
+        # vLLM makes DP metadata for MoE models only, and its UBatchWrapper asserts it
+        # under data parallel (gpu_ubatch_wrapper.py, __call__)
+        raise AFDDeploymentError(
+            f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode} and "
+            f"--data-parallel-size={pc.data_parallel_size} needs a MoE model (vLLM's "
+            "UBatchWrapper requires the DP metadata it makes for MoE models only); allowed: "
+            "--enforce-eager, afd.num_microbatches=1, or --data-parallel-size 1"
+        )
     if m > VLLM_UBATCHES and mode != "NONE":
         raise AFDDeploymentError(
             f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode}: "

@@ -80,6 +80,7 @@ class FFNStepServer:
                 conn.settle_sends,
                 group_rows=agreed.rows if agreed is not None else None,
                 eager_only=self.eager_only(),
+                watch=lambda: conn.watch_replay(f"the replay of step {plan.step}"),
             )
         conn.finish_step(failure)
         self.rows += sum(sum(rows) for rows in plan.rows)

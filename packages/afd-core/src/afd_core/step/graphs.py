@@ -9,9 +9,9 @@ key), and after a replay, where none of the exchange's Python ran, the connector
 the step's layers were exchanged (`mark_exchanged`).
 
 FFN side: `FFNGraphCache` captures the step's layers x micro-batches loop (receives,
-compute, sends) when a peer announces a capture, keyed by the rows per peer per
-micro-batch (and an expert group's rows per member), replays a known key, and runs an
-unknown key eagerly. The receive buffers are allocated once (fixed addresses), and the
+compute, sends) whenever a peer announces a capture (a key captured again replaces its
+graph), keyed by the rows per peer per micro-batch (and an expert group's rows per
+member), replays a known key, and runs an unknown key eagerly. The receive buffers are allocated once (fixed addresses), and the
 sends are joined into the captured stream before the capture ends.
 
 `GraphBackend` is the seam the tests swap (CUDA: `CudaGraphBackend`).
@@ -32,7 +32,7 @@ logger = get_logger(__name__)
 
 # the graph modes AFD runs on CUDA (vLLM's CUDAGraphMode names)
 SUPPORTED_GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
-MAX_FFN_GRAPHS = 256  # keys per FFN rank; past it, unknown keys run eagerly
+MAX_FFN_GRAPHS = 256  # keys per FFN rank; a capture past it drops the least recently used
 
 
 class GraphPhase(enum.Enum):
@@ -126,7 +126,7 @@ def graph_key(plan: StepPlan, group_rows: tuple | None = None) -> tuple:
 
 
 class FFNGraphCache:
-    """FFN side: capture on a peer's CAPTURE flag, replay a known key, else eager."""
+    """FFN side: capture on a peer's CAPTURE flag (always), replay a known key, else eager."""
 
     def __init__(self, backend: GraphBackend, max_graphs: int = MAX_FFN_GRAPHS):
         self.backend = backend
@@ -144,31 +144,44 @@ class FFNGraphCache:
         settle: Callable[[], None],
         group_rows: tuple | None = None,
         eager_only: bool = False,
+        watch: Callable[[], None] = lambda: None,
     ) -> Any:
         """Run the step's layers (`run_layers`, which returns the step's failure or None)
-        as the key allows; `settle` joins the step's sends (called inside a capture)."""
+        as the key allows; `settle` joins the step's sends (called inside a capture);
+        `watch` bounds a replay just launched (its operations ran no Python)."""
         key = graph_key(plan, group_rows)
+        if plan.flags & ControlFlag.CAPTURE:
+            # The peers capture: their operations are recorded, not run, so this side must
+            # record too, whatever it holds: replaying or running eagerly would move data
+            # nobody sends. vLLM captures a size more than once (its memory profile
+            # captures the largest sizes and drops them, then capture_model captures them
+            # again): the new graph replaces the old.
+            return self._capture(key, run_layers, settle)
         graph = None if eager_only else self._graphs.get(key)
         if graph is not None:
+            self._graphs[key] = self._graphs.pop(key)  # most recently used last
             self.backend.replay(graph)
+            watch()
             self.stats.replayed += 1
             return None
-        if (
-            not eager_only
-            and plan.flags & ControlFlag.CAPTURE
-            and len(self._graphs) < self.max_graphs
-        ):
-            result: list = []
-
-            def body():
-                result.append(run_layers())
-                settle()
-
-            self._graphs[key] = self.backend.capture(body)
-            self.stats.captured += 1
-            if result and result[0] is not None:
-                # a compute error while capturing: the graph would replay it
-                del self._graphs[key]
-            return result[0] if result else None
         self.stats.eager += 1
         return run_layers()
+
+    def _capture(self, key, run_layers, settle):
+        self._graphs.pop(key, None)
+        while len(self._graphs) >= self.max_graphs:  # the least recently used goes
+            self._graphs.pop(next(iter(self._graphs)))
+        result: list = []
+
+        def body():
+            result.append(run_layers())
+            settle()
+
+        graph = self.backend.capture(body)
+        self.stats.captured += 1
+        failure = result[0] if result else None
+        if failure is None:
+            self._graphs[key] = graph
+        # else a compute error while capturing: the graph would replay it; the key runs
+        # eagerly until it is captured again
+        return failure

@@ -9,12 +9,17 @@ is CUDA-only and starts new threads every step; this executor keeps its threads.
 
 When a micro-batch raises, every other one is released from its wait and unwinds with
 MicrobatchAborted, and `run` re-raises the first error: a failure never leaves a thread
-waiting for a baton that will not come. No torch here; `on_resume` lets the caller restore
-per-micro-batch state (vLLM's forward context) each time a thread takes the baton.
+waiting for a baton that will not come. No torch import here; `on_resume` lets the caller
+restore per-micro-batch state (vLLM's forward context) each time a thread takes the baton.
+
+On an accelerator every job runs on the caller's device and current stream: a new thread
+starts on the device's default stream, while vLLM's model runner works on a stream of its
+own, so the jobs' kernels would race the caller's inputs and the concatenated outputs.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +47,21 @@ def yield_to_next_microbatch() -> bool:
         return False
     executor._yield(_local.index)
     return True
+
+
+def caller_stream():
+    """The calling thread's current accelerator stream (it names its device), or None where
+    there is no accelerator (CPU) or torch was never imported."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_stream()
+
+
+def enter_stream(stream) -> None:
+    """Make `stream` (and its device) current on this thread."""
+    if stream is not None:
+        sys.modules["torch"].accelerator.set_stream(stream)
 
 
 class _Worker:
@@ -74,6 +94,7 @@ class MicrobatchExecutor:
         self._error: BaseException | None = None
         self._aborted = False
         self._all_done = threading.Event()
+        self._stream = None  # the caller's accelerator stream, for every job
 
     # -- the caller's side --------------------------------------------------------------
     def run(self, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -89,6 +110,7 @@ class MicrobatchExecutor:
             while len(self._workers) < n:
                 self._workers.append(_Worker(self, len(self._workers)))
             self._reset(n)
+            self._stream = caller_stream()
             for worker, job in zip(self._workers, jobs, strict=False):
                 worker.baton.clear()
                 worker.job = job
@@ -123,6 +145,7 @@ class MicrobatchExecutor:
                 worker.baton.clear()
                 if self._aborted:
                     raise MicrobatchAborted(f"micro-batch {worker.index} released: step failed")
+                enter_stream(self._stream)
                 self._on_resume(worker.index)
                 self._results[worker.index] = job()
             except BaseException as exc:  # noqa: BLE001 - handed to run()

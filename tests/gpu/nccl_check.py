@@ -1,0 +1,743 @@
+"""The CUDA path across real processes on one GPU: AFD's NCCL connector, FFN step server
+and FFN graph cache with real NCCL, on a toy decoder that goes through AFD's exchange op.
+
+Three processes share the GPU: FFN rank 0 and attention ranks 0 and 1 (one attention
+server of two ranks, so every step carries two peers). NCCL refuses two ranks of one
+communicator on one GPU only when it believes they are on one host: each process gets its
+own NCCL_HOSTID, and NCCL talks over its socket transport on loopback (P2P and SHM off).
+The communicator is vLLM's PyNccl where vLLM imports, else ours (tests/gpu/nccl_comm.py:
+the same NCCL calls); the report names which ran.
+
+Scenarios (each bounded; a scenario that hangs or breaks the deployment ends its session
+and the rest run in a fresh one):
+
+  a first_eager      the first step, eager (NCCL connects point-to-point pairs lazily)
+  b microbatches     m = 2 on AFD's micro-batch threads, unequal and zero-row micro-batches,
+                     against a reference computed locally; the threads run on the caller's stream
+  c capture_replay   capture (both sides), then 20 replays with new inputs, equal to eager
+  d recapture        the same key captured again (vLLM does at start-up): replays still right
+  e failure          attention rank 0 fails micro-batch 1 at layer 0 with rows (4, 3): the
+                     step fails on that rank only and the next step is right on both
+  f dbo_capture      two micro-batch threads captured into one graph (global capture mode,
+                     as vLLM's UBatchWrapper), replayed, equal to the unsplit reference
+  g kill_ffn         the FFN process is killed during replays (each followed by a host sync,
+                     as vLLM's sampler does): both attention ranks end with a named error
+  plus the exchange latency per layer (eager and replayed) against a raw NCCL ping-pong of
+  the same message on the same communicators, measured in the same run.
+
+Run: python tests/gpu/nccl_check.py [--out report.json]; `--cpu` runs the scenarios that
+need no CUDA graph (a, b, e, g) over the CPU stand-ins of tests/afd_core/nccl_standin.py
+(what the suite does, to keep this script working). Exit status 0 when all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT / "packages" / "afd-core" / "src", ROOT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+LAYERS = 4
+HIDDEN = 1024
+MAX_TOKENS = 64
+ATTENTION_RANKS = 2
+SCENARIO_S = 60.0  # per scenario
+TOL = 1e-3  # relative to the reference's largest value (fp32; cuBLAS picks kernels by rows)
+REPLAYS = 20
+TIMED_STEPS = 30
+PINGPONG = (20, 200)  # warm-up, timed round trips
+
+SCENARIOS = {
+    "a_first_eager": "first eager step",
+    "b_microbatches": "m = 2, unequal and zero-row micro-batches",
+    "c_capture_replay": "capture + 20 replays",
+    "d_recapture": "the same key captured again",
+    "e_failure": "failure at layer 0 with rows (4, 3)",
+    "f_dbo_capture": "two micro-batch threads captured into one graph",
+    "g_kill_ffn": "FFN process killed during replays",
+}
+NEEDS_GRAPHS = {"c_capture_replay", "d_recapture", "f_dbo_capture"}
+
+
+# -- each process ---------------------------------------------------------------------------
+
+
+class Env:
+    """One process's device, connector and toy model (the same weights in every process)."""
+
+    def __init__(self, kind: str, name: str, timeout_s: float):
+        if kind == "cuda":
+            os.environ.update(
+                NCCL_HOSTID=f"afd-check-{name}",  # one "host" per process: no duplicate-GPU refusal
+                NCCL_P2P_DISABLE="1",
+                NCCL_SHM_DISABLE="1",
+                NCCL_IB_DISABLE="1",
+                NCCL_NET="Socket",
+                NCCL_SOCKET_IFNAME="lo",
+            )
+        import torch
+
+        self.torch = torch
+        self.kind = kind
+        self.timeout_s = timeout_s
+        if kind == "cuda":
+            from afd_core.connectors.device import CudaRuntime
+            from tests.gpu.nccl_comm import factory
+
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_stream(torch.cuda.Stream())  # vLLM's runner: a stream of its own
+            self.runtime = CudaRuntime(self.device)
+            self.factory = factory()
+        else:
+            from tests.afd_core.nccl_standin import HostRuntime, OrderedGlooFactory
+
+            self.device = torch.device("cpu")
+            self.runtime = HostRuntime()
+            self.factory = None  # needs the port: made in connector()
+            self._standin = OrderedGlooFactory
+        gen = torch.Generator(device=self.device).manual_seed(0)
+
+        def weights():
+            return [
+                torch.randn(HIDDEN, HIDDEN, device=self.device, generator=gen) / HIDDEN**0.5
+                for _ in range(LAYERS)
+            ]
+
+        self.w_attn, self.w_ffn = weights(), weights()
+
+    def connector(self, role: str, rank: int, port: int):
+        from afd_core.config import parse_afd_config
+        from afd_core.connectors.base import WireSpec
+        from afd_core.connectors.nccl import NcclConnector
+
+        cfg = parse_afd_config(
+            {
+                "connector": "nccl",
+                "role": role,
+                "host": "127.0.0.1",
+                "port": port,
+                "num_attention_ranks": ATTENTION_RANKS,
+                "num_ffn_ranks": 1,
+                "connector_extra_config": {"timeout_s": self.timeout_s, "connect_timeout_s": 60},
+            },
+            device_type="cuda",
+        )
+        wire = WireSpec(HIDDEN, "float32", LAYERS, MAX_TOKENS)
+        factory = self.factory or self._standin("127.0.0.1", port)
+        return NcclConnector(cfg, rank, wire, runtime=self.runtime, comm_factory=factory)
+
+    def sync(self) -> None:
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize()
+
+    def wait_stream(self, stream) -> None:
+        """Block the host until `stream` has run what is enqueued on it."""
+        event = self.runtime.new_event()
+        event.record(stream)
+        if self.kind == "cuda":
+            event.synchronize()
+        else:
+            event.wait_host(lambda: None)
+
+    # the toy decoder: attention = x @ W_attn, FFN = relu(h @ W_ffn), residual
+    def ffn_compute(self, layer, h, _logits=None, _ids=None):
+        return self.torch.relu(h @ self.w_ffn[layer])
+
+    def model(self, x):
+        from afd_core.exchange import ffn_exchange_op
+
+        op = ffn_exchange_op()
+        for layer in range(LAYERS):
+            x = x + op(x @ self.w_attn[layer], layer, None, None)
+        return x
+
+    def reference(self, x):
+        for layer in range(LAYERS):
+            x = x + self.ffn_compute(layer, x @ self.w_attn[layer])
+        return x
+
+    def rows(self, n: int, seed: int):
+        gen = self.torch.Generator(device=self.device).manual_seed(seed)
+        return self.torch.randn(n, HIDDEN, device=self.device, generator=gen)
+
+    def error(self, out, x) -> float:
+        """Largest difference from the local reference, relative to its largest value."""
+        want = self.reference(x)
+        self.sync()
+        if want.numel() == 0:
+            return 0.0 if out.numel() == 0 else float("inf")
+        return ((out - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
+def _put(q, *msg) -> None:
+    q.put(msg)
+
+
+def _finish(q) -> None:
+    q.close()
+    q.join_thread()
+    os._exit(0)  # no interpreter teardown: a dead peer's NCCL state must not hold us
+
+
+def _pingpong(env, conn, attention: bool) -> dict:
+    """Raw round trips of one 8-row message on the connector's own communicators and
+    streams (attention rank 0 <-> FFN rank 0), before any AFD step."""
+    torch = env.torch
+    t = conn._transport
+    buf = torch.ones(8, HIDDEN, device=env.device)
+    back = torch.empty_like(buf)
+    cur = env.runtime.current_stream()
+    warm, timed = PINGPONG
+    t0 = 0.0
+    for i in range(warm + timed):
+        if i == warm:
+            env.sync()
+            t0 = time.perf_counter()
+        if attention:
+            t._send_stream.wait_stream(cur)
+            t._send_comm.send(buf, 0, t._send_stream)
+            t._recv_comm.recv(back, 0, t._recv_stream)
+            env.wait_stream(t._recv_stream)
+        else:
+            t._recv_comm.recv(back, 1, t._recv_stream)
+            t._send_stream.wait_stream(t._recv_stream)
+            t._send_comm.send(back, 1, t._send_stream)
+            env.wait_stream(t._send_stream)
+    rtt_us = (time.perf_counter() - t0) / timed * 1e6
+    return {"round_trip_us": round(rtt_us, 1), "bytes": buf.numel() * 4}
+
+
+def ffn_main(kind, port, timeout_s, scenarios, q):
+    try:
+        env = Env(kind, "ffn0", timeout_s)
+        from afd_core.step.ffn import FFNStepServer
+        from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache
+
+        conn = env.connector("ffn", 0, port)
+        conn.init()
+        if "pingpong" in scenarios:
+            _pingpong(env, conn, attention=False)
+        log: list = []  # per step: [step, rows, flags, action]
+        cache = None
+        if kind == "cuda":
+
+            class Logged(CudaGraphBackend):
+                def capture(self, fn):
+                    log[-1][3] = "capture"
+                    return super().capture(fn)
+
+                def replay(self, graph):
+                    log[-1][3] = "replay"
+                    super().replay(graph)
+
+            cache = FFNGraphCache(Logged())
+        server = FFNStepServer(conn, list(range(LAYERS)), env.ffn_compute, graphs=cache)
+        recv = conn.recv_control
+
+        def recording():
+            plan = recv()
+            log.append([plan.step, [list(r) for r in plan.rows], int(plan.flags), "eager"])
+            return plan
+
+        conn.recv_control = recording
+        stopped = None
+        try:
+            while server.serve_step():
+                pass
+        except Exception as exc:  # noqa: BLE001 - reported
+            stopped = f"{type(exc).__name__}: {exc}"
+        _put(
+            q,
+            "ffn",
+            0,
+            "served",
+            {
+                "steps": server.steps,
+                "failed_steps": server.failed_steps,
+                "graphs": cache.stats.as_dict() if cache else None,
+                "log": log,
+                "stopped": stopped,
+            },
+        )
+        conn.close()
+    except Exception:  # noqa: BLE001
+        _put(q, "ffn", 0, "error", {"ok": False, "error": traceback.format_exc()[-4000:]})
+    _finish(q)
+
+
+class Attention:
+    """One attention rank's scenarios; both ranks run them in lockstep (one server)."""
+
+    def __init__(self, env, conn, rank, q):
+        from afd_core.step.attention import AttentionStepDriver
+
+        self.env, self.conn, self.rank, self.q = env, conn, rank, q
+        self.torch = env.torch
+        self.driver = AttentionStepDriver(conn)
+        self.seed = 1000 * rank
+
+    def x(self, n):
+        self.seed += 1
+        return self.env.rows(n, self.seed)
+
+    def step(self, rows, jobs, **kw):
+        return self.driver.run(tuple(rows), jobs, **kw)
+
+    # a
+    def a_first_eager(self):
+        n = 3 if self.rank == 0 else 5
+        x = self.x(n)
+        t0 = time.perf_counter()
+        out = self.step((n,), [lambda: self.env.model(x)])[0]
+        self.env.sync()
+        ms = (time.perf_counter() - t0) * 1000
+        err = self.env.error(out, x)
+        return {"ok": err < TOL, "rel_error": err, "first_step_ms": round(ms, 2)}
+
+    # b
+    def b_microbatches(self):
+        torch = self.torch
+        plans = {0: [(5, 0), (3, 7), (0, 4)], 1: [(0, 6), (2, 2), (1, 0)]}[self.rank]
+        caller = self.env.runtime.current_stream()
+        on_stream = []
+        errors = []
+        for rows in plans:
+            xs = [self.x(n) for n in rows]
+
+            def job(x):
+                def run():
+                    if self.env.kind == "cuda":
+                        on_stream.append(torch.cuda.current_stream() == caller)
+                    return self.env.model(x)
+
+                return run
+
+            outs = self.step(rows, [job(x) for x in xs])
+            errors += [self.env.error(o, x) for o, x in zip(outs, xs, strict=True)]
+        ok = max(errors) < TOL and all(on_stream)
+        return {
+            "ok": ok,
+            "steps": plans,
+            "max_rel_error": max(errors),
+            "jobs_on_callers_stream": f"{sum(on_stream)}/{len(on_stream)}",
+        }
+
+    # c
+    def _capture(self, rows, body, split=False):
+        """Capture `body` (both sides capture: the CAPTURE flag) after one eager warm-up
+        step; returns (graph, holder with the output)."""
+        from afd_core.connectors.control import ControlFlag
+
+        torch = self.torch
+        self.step(rows, [body], whole=split)  # warm-up, eager (vLLM warms up first too)
+        graph = torch.cuda.CUDAGraph()
+        holder = {}
+
+        def capture():
+            with torch.cuda.graph(graph):  # global capture mode, as vLLM's wrappers capture
+                holder["out"] = body()
+
+        self.step(rows, [capture], flags=ControlFlag.CAPTURE, whole=split)
+        return graph, holder
+
+    def _replays(self, rows, graph, holder, static, n, split=False):
+        errors = []
+        for _ in range(n):
+            x = self.x(static.shape[0])
+            static.copy_(x)
+            self.step(rows, [graph.replay], replayed=True, whole=split)
+            errors.append(self.env.error(holder["out"], x))
+        return errors
+
+    def c_capture_replay(self):
+        rows = (8,)
+        static = self.x(8)
+        env = self.env
+        # eager steps of this key first, timed: before the capture both sides run eagerly
+        self.step(rows, [lambda: env.model(static)])
+        env.sync()
+        t0 = time.perf_counter()
+        for _ in range(TIMED_STEPS):
+            self.step(rows, [lambda: env.model(static)])
+        env.sync()
+        eager_ms = (time.perf_counter() - t0) * 1000 / TIMED_STEPS
+        graph, holder = self._capture(rows, lambda: env.model(static))
+        errors = self._replays(rows, graph, holder, static, REPLAYS)
+        self.graph = (graph, holder, static)
+        t0 = time.perf_counter()
+        for _ in range(TIMED_STEPS):
+            self.step(rows, [graph.replay], replayed=True)
+        env.sync()
+        replay_ms = (time.perf_counter() - t0) * 1000 / TIMED_STEPS
+        return {
+            "ok": max(errors) < TOL,
+            "replays": len(errors),
+            "max_rel_error": max(errors),
+            "eager_step_ms": round(eager_ms, 3),
+            "replay_step_ms": round(replay_ms, 3),
+            "eager_per_layer_us": round(eager_ms * 1000 / LAYERS, 1),
+            "replay_per_layer_us": round(replay_ms * 1000 / LAYERS, 1),
+        }
+
+    # d
+    def d_recapture(self):
+        rows = (8,)
+        _, _, static = self.graph
+        self.graph = None  # vLLM drops the profile's graphs before capturing again
+        graph, holder = self._capture(rows, lambda: self.env.model(static))
+        errors = self._replays(rows, graph, holder, static, 5)
+        return {"ok": max(errors) < TOL, "replays": len(errors), "max_rel_error": max(errors)}
+
+    # e
+    def e_failure(self):
+        from afd_core.connectors.base import AFDStepError
+
+        rows = (4, 3) if self.rank == 0 else (2, 5)
+        xs = [self.x(n) for n in rows]
+        env = self.env
+
+        def job(mb, x):
+            def run():
+                if self.rank == 0 and mb == 1:  # micro-batch 0 has exchanged layer 0
+                    raise RuntimeError("injected attention failure at layer 0")
+                return env.model(x)
+
+            return run
+
+        failed = None
+        try:
+            outs = self.step(rows, [job(mb, x) for mb, x in enumerate(xs)])
+            first_errors = [env.error(o, x) for o, x in zip(outs, xs, strict=True)]
+        except AFDStepError as exc:
+            failed = str(exc)
+            first_errors = []
+        xs = [self.x(n) for n in rows]
+        outs = self.step(rows, [lambda x=x: env.model(x) for x in xs])
+        errors = [env.error(o, x) for o, x in zip(outs, xs, strict=True)]
+        if self.rank == 0:
+            ok = failed is not None and "injected attention failure" in failed
+        else:
+            ok = failed is None and max(first_errors) < TOL
+        return {
+            "ok": ok and max(errors) < TOL,
+            "step_failed": failed,
+            "next_step_max_rel_error": max(errors),
+        }
+
+    # f
+    def f_dbo_capture(self):
+        from afd_core.step.microbatch import MicrobatchExecutor
+
+        torch = self.torch
+        rows = (5, 3) if self.rank == 0 else (3, 5)
+        static = self.x(8)
+        inner = MicrobatchExecutor()  # the micro-batch threads, on the capturing stream
+        env = self.env
+
+        def split():
+            a, b = static[: rows[0]], static[rows[0] :]
+            return torch.cat(inner.run([lambda: env.model(a), lambda: env.model(b)]))
+
+        graph, holder = self._capture(rows, split, split=True)
+        errors = self._replays(rows, graph, holder, static, REPLAYS, split=True)
+        t0 = time.perf_counter()
+        for _ in range(TIMED_STEPS):
+            self.step(rows, [graph.replay], replayed=True, whole=True)
+        env.sync()
+        replay_ms = (time.perf_counter() - t0) * 1000 / TIMED_STEPS
+        inner.close()
+        return {
+            "ok": max(errors) < TOL,
+            "replays": len(errors),
+            "max_rel_error": max(errors),
+            "replay_step_ms": round(replay_ms, 3),
+        }
+
+    # g
+    def g_kill_ffn(self):
+        rows = (8,)
+        static = self.x(8)
+        env = self.env
+        if env.kind == "cuda":
+            graph, holder = self._capture(rows, lambda: env.model(static))
+
+            def one():
+                self.step(rows, [graph.replay], replayed=True)
+        else:
+
+            def one():
+                self.step(rows, [lambda: env.model(static)])
+
+        t_start = time.time()
+        n = 0
+        try:
+            while time.time() - t_start < 45:
+                one()
+                env.sync()  # the sampler's host sync after the forward
+                n += 1
+                if n == 10:
+                    _put(self.q, "attention", self.rank, "progress", {"time": time.time()})
+            return {"ok": False, "error": f"no error within 45 s ({n} steps)"}
+        except Exception as exc:  # noqa: BLE001 - the named error is the result
+            text = f"{type(exc).__name__}: {exc}"
+            return {
+                "ok": "FFN rank 0" in text or "no answer within" in text,
+                "steps_before": n,
+                "error": text[:600],
+                "error_time": time.time(),
+            }
+
+
+def attention_main(kind, rank, port, timeout_s, scenarios, q):
+    try:
+        env = Env(kind, f"attn{rank}", timeout_s)
+        from afd_core import dbo
+        from afd_core.connectors.base import AFDPeerError
+        from afd_core.runtime import install_connector
+
+        dbo._vllm_ubatching()  # the yield op looks for vLLM once: not inside a timed step
+
+        conn = env.connector("attention", rank, port)
+        conn.init()
+        install_connector(conn)
+        if "pingpong" in scenarios:
+            result = _pingpong(env, conn, attention=True) if rank == 0 else {}
+            _put(q, "attention", rank, "pingpong", {"ok": True, **result})
+        side = Attention(env, conn, rank, q)
+        for name in scenarios:
+            if name == "pingpong":
+                continue
+            t0 = time.perf_counter()
+            fatal = False
+            try:
+                result = getattr(side, name)()
+                fatal = name == "g_kill_ffn"
+            except AFDPeerError as exc:
+                result, fatal = {"ok": False, "error": f"AFDPeerError: {exc}"}, True
+            except Exception:  # noqa: BLE001 - reported per scenario
+                result = {"ok": False, "error": traceback.format_exc()[-4000:]}
+            result["seconds"] = round(time.perf_counter() - t0, 2)
+            _put(q, "attention", rank, name, result)
+            if fatal:
+                break
+        else:
+            side.driver.close()
+            conn.close()
+            _put(q, "attention", rank, "closed", {})
+    except Exception:  # noqa: BLE001
+        _put(q, "attention", rank, "error", {"ok": False, "error": traceback.format_exc()[-4000:]})
+    _finish(q)
+
+
+# -- the parent ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_session(kind, scenarios, timeout_s, log) -> tuple[dict, list[str], dict]:
+    """One deployment running `scenarios` in order: (results by scenario, the scenarios it
+    did not get to, what the FFN rank reported)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    todo = ["pingpong", *scenarios]
+    procs = {"ffn": ctx.Process(target=ffn_main, args=(kind, port, timeout_s, todo, q))}
+    for r in range(ATTENTION_RANKS):
+        procs[f"attn{r}"] = ctx.Process(
+            target=attention_main, args=(kind, r, port, timeout_s, todo, q)
+        )
+    for p in procs.values():
+        p.start()
+    got: dict[str, dict[int, dict]] = {}
+    ffn = {}
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + SCENARIO_S + 60  # start-up: imports, CUDA, NCCL
+    current = 0
+    killed_at = None
+    ended = set()
+    while len(ended) < len(procs):
+        try:
+            role, rank, name, body = q.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue.Empty:
+            name = todo[current] if current < len(todo) else "closing"
+            results[name] = {
+                "ok": False,
+                "error": f"no answer within {SCENARIO_S:.0f}s: a hang (processes killed)",
+                **{f"attention{r}": b for r, b in got.get(name, {}).items()},
+            }
+            log(f"  {name}: timed out, killing the session")
+            break
+        if role == "ffn":
+            ffn = body
+            ended.add("ffn")
+            continue
+        if name in ("closed", "error"):
+            ended.add(f"attn{rank}")
+            if name == "error":
+                results.setdefault("session", body)
+                break
+            continue
+        if name == "progress":  # g: the attention ranks replay; kill the FFN now
+            if killed_at is None:
+                killed_at = time.time()
+                os.kill(procs["ffn"].pid, signal.SIGKILL)
+                ended.add("ffn")
+                log("  g_kill_ffn: FFN process killed during replays")
+            continue
+        got.setdefault(name, {})[rank] = body
+        if str(body.get("error", "")).startswith("AFDPeerError"):
+            deadline = min(deadline, time.monotonic() + 10)  # the other rank fails soon too
+        if len(got[name]) == ATTENTION_RANKS:
+            both = got[name]
+            results[name] = {
+                "ok": all(b.get("ok") for b in both.values()),
+                **{f"attention{r}": b for r, b in sorted(both.items())},
+            }
+            if name == "g_kill_ffn":
+                # passed only if the error came after the kill, not before it
+                results[name]["ok"] &= killed_at is not None and all(
+                    b.get("steps_before", 0) >= 10 for b in both.values()
+                )
+                if killed_at is not None:
+                    results[name]["error_after_kill_s"] = round(
+                        max(b.get("error_time", killed_at) for b in both.values()) - killed_at, 2
+                    )
+            current = todo.index(name) + 1
+            deadline = time.monotonic() + SCENARIO_S
+            if not results[name]["ok"] and any(
+                str(b.get("error", "")).startswith("AFDPeerError") for b in both.values()
+            ):
+                break  # the deployment is broken: the rest run in a new one
+            if name == "g_kill_ffn":
+                ended.update(procs)
+    for p in procs.values():
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    not_run = [s for s in scenarios if s not in results]
+    return results, not_run, ffn
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the report as JSON here")
+    ap.add_argument("--cpu", action="store_true", help="CPU stand-ins, no-graph scenarios")
+    ap.add_argument("--only", action="append", choices=sorted(SCENARIOS))
+    args = ap.parse_args(argv)
+    import torch
+
+    kind = "cpu" if args.cpu else "cuda"
+    if kind == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --cpu for the stand-ins", file=sys.stderr)
+        return 2
+    wanted = args.only or list(SCENARIOS)
+    skipped = {s: "needs CUDA graphs" for s in wanted if kind == "cpu" and s in NEEDS_GRAPHS}
+    wanted = [s for s in wanted if s not in skipped]
+    report: dict = {"kind": kind, "torch": torch.__version__}
+    if kind == "cuda":
+        from tests.gpu.nccl_comm import factory
+
+        f = factory()
+        report |= {
+            "device": torch.cuda.get_device_name(0),
+            "cuda": torch.version.cuda,
+            "communicator": f.name,
+            "nccl": f.nccl.version() if hasattr(f, "nccl") else None,
+        }
+
+    def log(text):
+        print(text, flush=True)
+
+    log(f"AFD NCCL check on {report.get('device', 'CPU stand-ins')}: {len(wanted)} scenarios")
+    t_all = time.perf_counter()
+    results: dict = {}
+    ffn_reports = []
+    # g kills its FFN process: a session of its own, last
+    queue_ = [s for s in wanted if s != "g_kill_ffn"]
+    sessions = [queue_] + ([["g_kill_ffn"]] if "g_kill_ffn" in wanted else [])
+    pingpong = None
+    for session in sessions:
+        todo = list(session)
+        while todo:
+            got, todo, ffn = run_session(kind, todo, 10.0 if "g_kill_ffn" in todo else 30.0, log)
+            ffn_reports.append(ffn)
+            pingpong = pingpong or got.get("pingpong")
+            report.setdefault("pingpong", got.pop("pingpong", None))
+            got.pop("closing", None)
+            if "session" in got:
+                results.setdefault("session_errors", []).append(got.pop("session"))
+                if not got:  # nothing ran: do not loop on a broken start-up
+                    for s in todo:
+                        results[s] = {"ok": False, "error": "the session did not start"}
+                    todo = []
+            results |= got
+            if not got and todo:
+                break
+    for name in wanted:
+        r = results.setdefault(name, {"ok": False, "error": "not run"})
+        detail = {k: v for k, v in r.items() if not k.startswith("attention")}
+        detail |= {
+            k: v
+            for r_ in (r.get("attention0", {}),)
+            for k, v in r_.items()
+            if k not in ("ok", "error", "error_time")
+        }
+        line = "PASS" if r["ok"] else "FAIL"
+        log(f"{line} {name}: {SCENARIOS[name]} {json.dumps(detail, default=str)[:400]}")
+        if not r["ok"]:
+            for key in ("error", "attention0", "attention1"):
+                if key in r:
+                    log(f"    {key}: {json.dumps(r[key], default=str)[:1500]}")
+    for name, why in skipped.items():
+        results[name] = {"ok": None, "skipped": why}
+        log(f"SKIP {name}: {why}")
+    # latency per layer against the raw ping-pong of the same message
+    c = results.get("c_capture_replay", {}).get("attention0", {})
+    rtt = (pingpong or {}).get("attention0", {}).get("round_trip_us")
+    if rtt and c.get("eager_per_layer_us"):
+        report["latency"] = {
+            "raw_nccl_round_trip_us": rtt,
+            "eager_exchange_per_layer_us": c["eager_per_layer_us"],
+            "replayed_exchange_per_layer_us": c["replay_per_layer_us"],
+            "eager_vs_raw": round(c["eager_per_layer_us"] / rtt, 2),
+            "replayed_vs_raw": round(c["replay_per_layer_us"] / rtt, 2),
+        }
+        log(f"latency: {json.dumps(report['latency'])}")
+    elif pingpong:
+        report["latency"] = {"raw": pingpong}
+    ffn_last = [f for f in ffn_reports if f]
+    report["ffn"] = ffn_last
+    if kind == "cuda" and ffn_last:
+        # the FFN rank captured on every CAPTURE step (and never ran one eagerly)
+        captures = [e for f in ffn_last for e in f.get("log", []) if e[2] & 2]
+        report["ffn_capture_steps"] = [e[3] for e in captures]
+    report["scenarios"] = results
+    report["seconds"] = round(time.perf_counter() - t_all, 1)
+    passed = sum(1 for n in wanted if results[n]["ok"])
+    failed = len(wanted) - passed
+    log(f"{passed} passed, {failed} failed, {len(skipped)} skipped in {report['seconds']}s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
