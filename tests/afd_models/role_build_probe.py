@@ -4,8 +4,9 @@ python role_build_probe.py JOBS_JSON
 
 JOBS_JSON: a list of {"key", "checkpoint", "role", "backend" (or null), "afd" (more `afd`
 settings, e.g. {"compute_gate_on_attention": true}), "dtype", "dense_for_sparse"}. One JSON
-line per job on stdout: {"key", ...what the model holds}. Several models per process:
-importing vLLM costs far more than building a tiny model.
+line per job on stdout: {"key", ...what the model holds}, or {"key", "error": traceback}
+when building it failed (the next jobs still run). Several models per process: importing
+vLLM costs far more than building a tiny model.
 
 A job with "role": "ffn-vs-native" builds the FFN role and vLLM's own model of the same
 checkpoint and reports, per layer, how far the FFN role's output (rows, and token ids when
@@ -20,6 +21,7 @@ role's real modules (the indexer included) are built and loaded. No forward runs
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -163,27 +165,25 @@ def main():
             with afd_architecture(mc):
                 return get_model(vllm_config=vc), vc
 
-    for job in jobs:
+    def holds(job) -> dict:
         if job["role"] == "ffn-vs-native":
-            print(json.dumps({"key": job["key"], **ffn_vs_native(job, build)}), flush=True)
-            continue
+            return ffn_vs_native(job, build)
         model, _ = build(job, job["role"])
-        params = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
-        print(
-            json.dumps(
-                {
-                    "key": job["key"],
-                    "cls": type(model).__name__,
-                    "params": params,
-                    "at_load": state["at_load"],
-                    "seen": state["seen"],
-                    "ckpt": checkpoint_bytes(job["checkpoint"]),
-                    "modules": sorted({type(m).__name__ for m in model.modules()}),
-                }
-            ),
-            flush=True,
-        )
-        del model
+        return {
+            "cls": type(model).__name__,
+            "params": {n: p.numel() * p.element_size() for n, p in model.named_parameters()},
+            "at_load": state["at_load"],
+            "seen": state["seen"],
+            "ckpt": checkpoint_bytes(job["checkpoint"]),
+            "modules": sorted({type(m).__name__ for m in model.modules()}),
+        }
+
+    for job in jobs:
+        try:
+            result = holds(job)
+        except Exception:  # this job's tests fail with it; the other jobs still run
+            result = {"error": traceback.format_exc()}
+        print(json.dumps({"key": job["key"], **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,42 @@ GATED = "deepseek_v3 gate on attention"
 V4 = "deepseek_v4"  # bf16: what vLLM's CPU kernels for V4 take
 Q35 = "qwen3_5_moe"  # bf16: its linear attention runs only in bf16 on CPU
 STAND_INS = Path(__file__).with_name("stand_ins")  # torchvision, for vLLM's qwen3_5 import
+BAD_CONFIG = ("deepseek_v2", "ffn with a bad afd config")
+
+
+def probe(jobs, env=None) -> dict:
+    """key -> what the probe process reported for that job; a job it never reported (the
+    process died or timed out before it) -> an error with the process's output."""
+    cmd = [sys.executable, str(PROBE), json.dumps(jobs)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        stdout, died = r.stdout, f"exited {r.returncode}; stderr ends:\n{r.stderr[-3000:]}"
+    except subprocess.TimeoutExpired as exc:  # what it wrote may come as bytes
+        stdout, stderr = (
+            t.decode() if isinstance(t, bytes) else t or "" for t in (exc.stdout, exc.stderr)
+        )
+        died = f"timed out; stderr ends:\n{stderr[-3000:]}"
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith('{"key"'):
+            d = json.loads(line)
+            out[tuple(d["key"])] = d
+    for job in jobs:
+        out.setdefault(tuple(job["key"]), {"error": f"the probe process {died}"})
+    return out
+
+
+def outcome(d: dict, key) -> dict:
+    """A job's result; fails on its error."""
+    if "error" in d:
+        pytest.fail(f"building {key} failed:\n{d['error']}", pytrace=False)
+    return d
 
 
 @pytest.fixture(scope="module")
 def built(checkpoints):
-    """(arch, role) -> what the built model holds; the builds split over two processes."""
+    """(arch, role) -> what the built model holds (a job that failed fails its own tests
+    only); the builds split over three processes."""
     jobs = [
         {
             "key": [arch, role],
@@ -75,25 +106,15 @@ def built(checkpoints):
             [str(STAND_INS), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
 
-    def probe(some, env=None):
-        cmd = [sys.executable, str(PROBE), json.dumps(some)]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-
+    # a job that fails, first in a process: the tests of the jobs after it show it went on
+    bad = {"key": BAD_CONFIG, "checkpoint": str(checkpoints("deepseek_v2")), "role": "ffn"}
+    bad |= {"backend": "CPU_MLA", "afd": {"num_attention_ranks": 0}}
     # one process per core: each is mostly importing vLLM, then building tiny models
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(probe, jobs[0::2]), pool.submit(probe, jobs[1::2])]
+        futures = [pool.submit(probe, [bad, *jobs[0::2]]), pool.submit(probe, jobs[1::2])]
         futures.append(pool.submit(probe, q35_jobs, q35_env))
-        runs = [f.result() for f in futures]
-    jobs += q35_jobs
-    out = {}
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
-        for line in r.stdout.splitlines():
-            if line.startswith('{"key"'):
-                d = json.loads(line)
-                out[tuple(d["key"])] = d
-    assert len(out) == len(jobs), sorted(out)
-    return out
+        out = {k: d for f in futures for k, d in f.result().items()}
+    return lambda *key: outcome(out[key], key)
 
 
 def is_mlp(name: str) -> bool:
@@ -102,7 +123,7 @@ def is_mlp(name: str) -> bool:
 
 @pytest.mark.parametrize("arch", list(BACKENDS))
 def test_attention_role_holds_no_ffn_weights(built, arch):
-    d = built[(arch, "attention")]
+    d = built(arch, "attention")
     names = list(d["params"])
     assert not [n for n in names if is_mlp(n)]
     assert any("embed_tokens" in n for n in names) and any("lm_head" in n for n in names)
@@ -116,7 +137,7 @@ def test_attention_role_holds_no_ffn_weights(built, arch):
 
 @pytest.mark.parametrize("arch", list(BACKENDS))
 def test_ffn_role_holds_only_ffn_weights(built, arch):
-    d = built[(arch, "ffn")]
+    d = built(arch, "ffn")
     names = list(d["params"])
     assert names and all(is_mlp(n) for n in names)
     assert sum(d["at_load"].values()) == sum(v for k, v in d["ckpt"].items() if is_mlp(k))
@@ -132,7 +153,7 @@ def is_router_projection(name: str) -> bool:
 
 
 def test_gate_on_attention_moves_the_router_projection_and_nothing_else(built):
-    att, ffn = built[(GATED, "attention")], built[(GATED, "ffn")]
+    att, ffn = built(GATED, "attention"), built(GATED, "ffn")
     routers = sorted(k for k in att["ckpt"] if is_router_projection(k))
     assert len(routers) == 2  # MoE layers 1 and 2; layer 0 is dense
     # attention: its own tensors plus each MoE layer's router projection, built and loaded
@@ -153,7 +174,7 @@ def test_gate_on_attention_moves_the_router_projection_and_nothing_else(built):
 @pytest.mark.parametrize("arch", SPARSE)
 def test_the_sparse_attention_indexer_stays_on_the_attention_side(built, arch):
     """V3.2 / GLM-MoE-DSA: vLLM's V3.2 model, not a V3 one without the indexer."""
-    att = built[(arch, "attention")]
+    att = built(arch, "attention")
     assert att["cls"] == {"deepseek_v32": "AFDDeepseekV3ForCausalLM"}.get(
         arch, "AFDGlmMoeDsaForCausalLM"
     )
@@ -161,7 +182,7 @@ def test_the_sparse_attention_indexer_stays_on_the_attention_side(built, arch):
     indexer_tensors = [k for k in att["ckpt"] if ".self_attn.indexer." in k]
     assert len(indexer_tensors) == 3 * 5  # wq_b, wk, k_norm (weight, bias), weights_proj
     assert set(indexer_tensors) <= set(att["seen"])
-    assert not [n for n in built[(arch, "ffn")]["params"] if "indexer" in n]
+    assert not [n for n in built(arch, "ffn")["params"] if "indexer" in n]
 
 
 def test_vllm_cpu_refuses_sparse_attention():
@@ -175,17 +196,12 @@ def test_vllm_cpu_refuses_sparse_attention():
         CpuPlatform.get_attn_backend_cls(None, sparse)
 
 
-@pytest.fixture(scope="module")
-def built_v4(built):
-    return lambda role: built[(V4, role)]
-
-
 def is_v4_ffn(name: str) -> bool:
     return re.search(r"(^|\.)layers\.\d+\.ffn\.", name) is not None
 
 
-def test_deepseek_v4_attention_role_keeps_the_streams_and_sends_the_ffn(built_v4):
-    att = built_v4("attention")
+def test_deepseek_v4_attention_role_keeps_the_streams_and_sends_the_ffn(built):
+    att = built(V4, "attention")
     assert not [n for n in att["params"] if is_v4_ffn(n)]
     # the stream mixing and the norm around the FFN stay here, with attention and the head
     for name in ("model.layers.0.hc_ffn_fn", "model.layers.0.ffn_norm.weight", "lm_head.weight"):
@@ -195,8 +211,8 @@ def test_deepseek_v4_attention_role_keeps_the_streams_and_sends_the_ffn(built_v4
     assert sorted(att["seen"]) == sorted(k for k in att["ckpt"] if not is_v4_ffn(k))
 
 
-def test_deepseek_v4_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(built_v4):
-    ffn = built_v4("ffn")
+def test_deepseek_v4_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(built):
+    ffn = built(V4, "ffn")
     assert ffn["params"] and all(is_v4_ffn(n) for n in ffn["params"])
     assert any(n.endswith("ffn.gate.tid2eid") for n in ffn["params"])  # the hash layer
     assert sorted(ffn["seen"]) == sorted(k for k in ffn["ckpt"] if is_v4_ffn(k))
@@ -204,7 +220,7 @@ def test_deepseek_v4_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(bu
     assert not {"DeepseekV4CPUAttention", "VocabParallelEmbedding"} & set(ffn["modules"])
     # the FFN role on rows and token ids as the exchange delivers them == vLLM's V4 layer's
     # FFN on the same input, bit for bit, the hash-routed layer 0 included
-    diff = built_v4("ffn-vs-native")["max_abs_diff"]
+    diff = built(V4, "ffn-vs-native")["max_abs_diff"]
     assert diff.pop("native_cls") == "DeepseekV4ForCausalLM"
     assert diff == {"0": 0.0, "1": 0.0, "2": 0.0}, diff
 
@@ -214,7 +230,7 @@ def is_q35_ffn(name: str) -> bool:
 
 
 def test_qwen3_5_moe_attention_role_keeps_both_attention_kinds_and_the_vision_tower(built):
-    att = built[(Q35, "attention")]
+    att = built(Q35, "attention")
     assert att["cls"] == "AFDQwen3_5MoeForConditionalGeneration"
     assert not [n for n in att["params"] if is_q35_ffn(n)]
     want = {"QwenGatedDeltaNetAttention", "Qwen3NextAttention", "Qwen3_VisionTransformer"}
@@ -225,11 +241,17 @@ def test_qwen3_5_moe_attention_role_keeps_both_attention_kinds_and_the_vision_to
 
 
 def test_qwen3_5_moe_ffn_role_holds_only_the_moe_and_matches_vllms_own_layers(built):
-    ffn = built[(Q35, "ffn")]
+    ffn = built(Q35, "ffn")
     assert ffn["params"] and all(is_q35_ffn(n) for n in ffn["params"])
     assert any("shared_expert_gate" in n for n in ffn["params"])
     assert sorted(ffn["seen"]) == sorted(k for k in ffn["ckpt"] if is_q35_ffn(k))
     assert not {"Qwen3_VisionTransformer", "QwenGatedDeltaNetAttention"} & set(ffn["modules"])
-    diff = built[(Q35, "ffn-vs-native")]["max_abs_diff"]
+    diff = built(Q35, "ffn-vs-native")["max_abs_diff"]
     assert diff.pop("native_cls") == "Qwen3_5MoeForConditionalGeneration"
     assert diff == {"0": 0.0, "1": 0.0, "2": 0.0}, diff
+
+
+def test_a_failing_build_fails_its_own_tests_only(built):
+    """The first job of a probe process fails; the tests of the jobs after it pass."""
+    with pytest.raises(pytest.fail.Exception, match="num_attention_ranks"):
+        built(*BAD_CONFIG)
