@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,23 @@ def run_python(code: str, *, hide: tuple[str, ...] = (), env: dict | None = None
         timeout=timeout,
         cwd=REPO,
     )
+
+
+AVX2_ONLY_SITE = REPO / "tests" / "afd_models" / "stand_ins" / "avx2_only"
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def avx2_only_env(env: dict | None = None) -> dict:
+    """The environment (os.environ, then `env`) of a subprocess that stands in for an x86-64
+    CPU with AVX2 and no AVX-512: vLLM loads its AVX2 kernels (vllm._C_AVX2) and torch and
+    oneDNN run AVX2 code (tests/afd_models/stand_ins/README.md). x86-64 only (X86)."""
+    full = {**os.environ, **(env or {})}
+    path = [str(AVX2_ONLY_SITE), *filter(None, [full.get("PYTHONPATH")])]
+    return full | {
+        "PYTHONPATH": os.pathsep.join(path),
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,13 @@
 python role_build_probe.py JOBS_JSON
 
 JOBS_JSON: a list of {"key", "checkpoint", "role", "backend" (or null), "afd" (more `afd`
-settings, e.g. {"compute_gate_on_attention": true}), "dtype", "dense_for_sparse"}. One JSON
-line per job on stdout: {"key", ...what the model holds}, or {"key", "error": traceback}
-when building it failed (the next jobs still run). Several models per process: importing
-vLLM costs far more than building a tiny model.
+settings, e.g. {"compute_gate_on_attention": true}), "dtype", "dense_for_sparse",
+"hide_vllm_ops"}. One JSON line per job on stdout: {"key", ...what the model holds}, or
+{"key", "error": traceback} when building it failed (the next jobs still run), or {"key",
+"missing_ops", "skip": reason} when the roles it builds need vLLM CPU ops that this
+machine's vLLM kernels lack (afd_models.cpu_ops, asked before building; "hide_vllm_ops"
+lists ops to take as missing, to show the skip where they are here). Several models per
+process: importing vLLM costs far more than building a tiny model.
 
 A job with "role": "ffn-vs-native" builds the FFN role and vLLM's own model of the same
 checkpoint and reports, per layer, how far the FFN role's output (rows, and token ids when
@@ -28,6 +31,8 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8}
+# the roles of the model each job builds (ffn-vs-native: vLLM's whole model as well)
+ROLES_BUILT = {"attention": ("attention",), "ffn": ("ffn",), "ffn-vs-native": ("attention", "ffn")}
 
 
 def checkpoint_bytes(ckpt: str) -> dict[str, int]:
@@ -98,6 +103,7 @@ def main():
     import afd_models.role as role_mod
     import afd_models.weights as weights_mod
     from afd_core.workers.roles import afd_architecture
+    from afd_models import cpu_ops
     from afd_plugin import register_afd
 
     register_afd()
@@ -178,9 +184,20 @@ def main():
             "modules": sorted({type(m).__name__ for m in model.modules()}),
         }
 
+    library = cpu_ops.load_vllm_kernels()
+
+    def vllm_ops_missing(job) -> dict:
+        with open(os.path.join(job["checkpoint"], "config.json")) as f:
+            arch = json.load(f)["architectures"][0]
+        roles = ROLES_BUILT[job["role"]]
+        hidden = set(job.get("hide_vllm_ops", ()))
+        ops = cpu_ops.missing(arch, roles, lambda op: op not in hidden and cpu_ops.has_op(op))
+        return {"missing_ops": ops, "skip": cpu_ops.why_missing(arch, roles, ops, library)}
+
     for job in jobs:
         try:
-            result = holds(job)
+            gone = vllm_ops_missing(job)
+            result = gone if gone["missing_ops"] else holds(job)
         except Exception:  # this job's tests fail with it; the other jobs still run
             result = {"error": traceback.format_exc()}
         print(json.dumps({"key": job["key"], **result}), flush=True)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from afd_models import cpu_ops
+from afd_plugin.doctor import render_cpu_kernels
 from tests.conftest import run_python
 
 
@@ -58,6 +60,8 @@ def test_doctor_reports_vllm_cpu_and_passes(doctor_runs):
         assert name in out
     assert "AFDDeepseekV2ForCausalLM" in out and "AFDQwen3MoeForCausalLM" in out
     assert "gloo         platforms: cpu  (usable here)" in out
+    assert "vLLM CPU kernels: vllm._C" in out  # which of its builds depends on the CPU
+    assert "DeepseekV4ForCausalLM                  needs 16 ops only vllm._C" in out
     assert out.rstrip().endswith("AFD can run here.")
 
 
@@ -69,6 +73,25 @@ def test_doctor_json(doctor_runs):
     assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
     assert report["patches"]["async_dp_engine"]["status"] == "not implemented"
     assert len(report["models"]) == 8
+    # DeepSeek-V4's ops are in vLLM's AVX-512 BF16 kernels only: all here or none
+    kernels = report["cpu_kernels"]
+    for role, ops in kernels["models"]["DeepseekV4ForCausalLM"].items():
+        assert ops["needs"] == cpu_ops.needed("DeepseekV4ForCausalLM", [role])
+        assert ops["missing"] == ([] if kernels["library"] == "vllm._C" else ops["needs"])
+
+
+def test_doctor_names_the_ops_a_model_lacks_where_they_are_missing():
+    """What an AVX2-only CPU shows (vLLM's AVX2 kernels lack every op V4 needs)."""
+    avx2 = cpu_ops.report("vllm._C_AVX2", has=lambda op: False)
+    lines = render_cpu_kernels(avx2)
+    assert lines[1] == "vLLM CPU kernels: vllm._C_AVX2 (AVX2)"
+    v4 = lines[2]
+    assert v4.startswith("  DeepseekV4ForCausalLM                  needs 16 ops only vllm._C ")
+    assert "(AVX-512 with BF16) has (attention 14, ffn 2): cannot run here: " in v4
+    assert "attention lacks convert_weight_packed, bmm_cpu, " in v4
+    assert v4.endswith("; ffn lacks biased_topk_cpu, hash_topk_cpu")
+    here = render_cpu_kernels(cpu_ops.report("vllm._C", has=lambda op: True))
+    assert here[2].endswith("(attention 14, ffn 2): all here")
 
 
 @pytest.mark.vllm

@@ -2,8 +2,9 @@
 
 Runs register_afd in this process (as vLLM would), then imports the vLLM modules its
 deferred steps wait for, so a deferred registration that fails shows as failed; reports
-versions, platform, every registration step and patch, the AFD models and the connectors.
-Exit status 0 only when an AFD deployment can start on this machine.
+versions, platform, every registration step and patch, the AFD models and the connectors,
+and on CPU which vLLM kernel library this CPU gets and which models need ops it lacks
+(afd_models.cpu_ops). Exit status 0 only when an AFD deployment can start on this machine.
 """
 
 from __future__ import annotations
@@ -130,9 +131,34 @@ def collect() -> dict:
                 problems.append(f"step {name}: {rec.status.value}: {rec.reason}")
         if device is not None and not any(c["usable_here"] for c in report["connectors"].values()):
             problems.append(f"no connector is available for platform {device!r}")
+    report["cpu_kernels"] = None
+    if device == "cpu":  # not a problem: a model lacking ops is listed, the others can run
+        from afd_models import cpu_ops
+
+        try:
+            report["cpu_kernels"] = cpu_ops.report(cpu_ops.load_vllm_kernels())
+        except Exception as exc:
+            problems.append(f"vLLM's CPU kernels could not be loaded: {type(exc).__name__}: {exc}")
     report["problems"] = problems
     report["ok"] = not problems
     return report
+
+
+def render_cpu_kernels(kernels: dict) -> list[str]:
+    """Which models need ops only some vLLM CPU builds have, and whether this one has them."""
+    lines = ["", f"vLLM CPU kernels: {kernels['library']} ({kernels['instruction_set']})"]
+    for arch, roles in kernels["models"].items():
+        counts = ", ".join(f"{role} {len(r['needs'])}" for role, r in roles.items())
+        total = sum(len(r["needs"]) for r in roles.values())
+        lacking = [
+            f"{role} lacks {', '.join(r['missing'])}" for role, r in roles.items() if r["missing"]
+        ]
+        verdict = f"cannot run here: {'; '.join(lacking)}" if lacking else "all here"
+        lines.append(
+            f"  {arch:38s} needs {total} ops only {kernels['only_in']} has ({counts}): {verdict}"
+        )
+    lines.append("  (the other AFD models need no op that only some vLLM CPU builds have)")
+    return lines
 
 
 def render(report: dict) -> str:
@@ -161,6 +187,8 @@ def render(report: dict) -> str:
     for name, c in report["connectors"].items():
         here = "usable here" if c["usable_here"] else "not for this platform"
         lines.append(f"  {name:12s} platforms: {', '.join(c['platforms'])}  ({here})")
+    if report.get("cpu_kernels"):
+        lines += render_cpu_kernels(report["cpu_kernels"])
     lines.append("")
     if report["ok"]:
         lines.append("AFD can run here.")
