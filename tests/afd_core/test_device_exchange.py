@@ -12,57 +12,13 @@ without a GPU:
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 
-from afd_core.config import parse_afd_config
-from afd_core.connectors.base import WireSpec
-from afd_core.connectors.control import ControlFlag, ControlMessage
-from afd_core.connectors.nccl import NcclConnector
+from afd_core.connectors.control import ControlFlag
+from tests.afd_core.connector_fakes import ListInbox, connector, control
 
 pytestmark = pytest.mark.vllm  # needs torch
-
-
-class Done:
-    def wait(self, timeout_s=None):
-        return None
-
-
-class RecordingTransport:
-    """Holds no tensor: it keeps weak references to what it was asked to send."""
-
-    def __init__(self):
-        self.sent: list[weakref.ref] = []
-        self.watched: list[str] = []
-
-    def isend(self, tensor, peer, tag):
-        base = tensor._base if tensor._base is not None else tensor  # a row slice's tensor
-        self.sent.append(weakref.ref(base))
-        return Done()
-
-    def irecv(self, tensor, peer, tag):
-        return Done()
-
-    def isend_control(self, tensor, peer):
-        return Done()
-
-    def irecv_status(self, tensor, peer):
-        return Done()
-
-    def watch_device_work(self, what):
-        self.watched.append(what)
-
-
-def connector(role, a=1, wire=None):
-    from tests.afd_core.nccl_standin import HostRuntime
-
-    cfg = parse_afd_config(
-        {"role": role, "connector": "nccl", "num_attention_ranks": a}, device_type="cuda"
-    )
-    conn = NcclConnector(cfg, 0, wire or WireSpec(4, "float32", 2, 16), runtime=HostRuntime())
-    conn._transport = RecordingTransport()
-    return conn
 
 
 def test_the_attention_sides_rows_stay_alive_until_the_exchange_is_joined():
@@ -162,21 +118,6 @@ def test_the_transport_watches_a_replay_and_a_stuck_one_aborts_the_channel():
     assert len(aborted) == 2  # both communicators
     with pytest.raises(ChannelAborted, match="the replay of step 7: no answer within 0s"):
         t.watch_device_work("the next one")
-
-
-class ListInbox:
-    def __init__(self, items):
-        self.items = list(items)
-
-    def get(self, block=True):
-        if self.items:
-            return self.items.pop(0)
-        assert not block, "would block forever"
-        return None
-
-
-def control(sender, step, rows, flags=ControlFlag.NONE):
-    return ControlMessage(sender, step, rows, 4, "float32", flags).encode()
 
 
 def test_a_capture_step_is_served_alone_and_the_other_servers_step_follows():

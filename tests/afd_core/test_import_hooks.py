@@ -1,3 +1,4 @@
+import os
 import sys
 import types
 
@@ -64,3 +65,74 @@ def test_a_failing_deferred_step_is_recorded_and_propagates_only_if_needed(
         assert rec.status is reg.StepStatus.FAILED and f"cannot patch {name}" in rec.reason
     finally:
         sys.modules.pop(name, None)
+
+
+FORCED_FAILURE = """
+import importlib, os, sys
+from afd_core import registration as reg
+patch = importlib.import_module("afd_core.patches." + sys.argv[1])
+def broken(module):
+    raise RuntimeError("forced failure of " + sys.argv[1])
+patch._patch = broken
+assert sys.argv[2] not in sys.modules
+status, _ = patch.apply()
+assert status is reg.StepStatus.DEFERRED, status
+try:
+    importlib.import_module(sys.argv[2])
+except RuntimeError as exc:
+    print("STOPPED", exc)
+else:
+    print("IMPORTED", reg.records()["patch:" + sys.argv[1]].status.value)
+"""
+DEFERRED_PATCHES = {
+    "engine_core": "vllm.v1.engine.async_llm",
+    "step_failure": "vllm.v1.core.sched.scheduler",
+    "cpu_dp_collectives": "vllm.distributed.device_communicators.cpu_communicator",
+}
+
+
+@pytest.mark.vllm
+def test_a_deferred_patch_that_fails_in_an_afd_servers_process_stops_it():
+    """vLLM builds the config (where AFD's start-up check runs) before it imports the
+    modules these patches touch, so a failure there came after the check: the check marks
+    the process (and the engine-core and worker processes it starts) as an AFD server's,
+    and then a failing deferred patch stops the import, naming it. Each deferred patch is
+    forced to fail in a fresh process; without the mark vLLM's import goes on and the
+    failure is only recorded."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from afd_core import envs
+
+    def run(patch, module, marked):
+        env = {k: v for k, v in os.environ.items() if k != envs.AFD_DEPLOYMENT_ROLE}
+        if marked:
+            env[envs.AFD_DEPLOYMENT_ROLE] = "ffn"
+        out = subprocess.run(
+            [sys.executable, "-c", FORCED_FAILURE, patch, module],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    jobs = [(p, m, True) for p, m in DEFERRED_PATCHES.items()] + [
+        ("engine_core", DEFERRED_PATCHES["engine_core"], False)
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda job: run(*job), jobs))
+    for (patch, _, _), line in zip(jobs[:3], results[:3], strict=True):
+        assert line == f"STOPPED forced failure of {patch}", line
+    assert results[3] == "IMPORTED failed"
+
+
+def test_the_start_up_check_marks_the_process_as_an_afd_servers(monkeypatch):
+    from afd_core import envs
+
+    monkeypatch.delenv(envs.AFD_DEPLOYMENT_ROLE, raising=False)
+    assert not envs.in_deployment()
+    envs.mark_deployment("attention")
+    assert envs.in_deployment() and os.environ[envs.AFD_DEPLOYMENT_ROLE] == "attention"

@@ -37,11 +37,15 @@ def expected(rank, step, mb, n, layers):
 
 
 def ffn_compute(fail_at):
-    """FFN 'MLP': h * 2 + layer; raises once at (step, layer) in fail_at."""
-    state = {"step": 0}
+    """FFN 'MLP': h * 2 + layer; raises at (step, layer) in fail_at (its first micro-batch
+    with rows), or at (step, layer, k): the layer's k-th micro-batch with rows."""
+    state = {"step": 0, "calls": {}}
 
     def compute(layer, h, _logits, _ids):
-        if (state["step"], layer) in fail_at:
+        key = (state["step"], layer)
+        k = state["calls"].get(key, 0)
+        state["calls"][key] = k + 1
+        if key in fail_at or (*key, k) in fail_at:
             raise RuntimeError(f"injected FFN failure at layer {layer}")
         return h * 2 + layer
 
@@ -54,7 +58,7 @@ def ffn_main(rank, a, f, port, layers, timeout, fail_at, q):
 
         conn = make("ffn", rank, a, f, port, timeout=timeout, layers=layers)
         conn.init()
-        compute, state = ffn_compute(set(fail_at))
+        compute, state = ffn_compute({tuple(f) for f in fail_at})
         server = FFNStepServer(conn, list(range(layers)), compute)
         rows = []
         original = conn.recv_control
@@ -236,3 +240,57 @@ def test_failed_steps_on_either_side_fail_only_that_step():
     assert out[2].startswith("step failed") and "step 2 failed on this rank" in out[2], out
     assert "micro-batch 1 at layer 2" in out[2] and "injected attention failure" in out[2]
     assert results[("ffn", 0)]["failed"] == 1
+
+
+# every micro-batch count with a zero-row micro-batch where there is room, so the failure
+# points cover first, middle and last micro-batches, each with rows
+FAILURE_SHAPES = [(3,), (4, 3), (2, 0, 3), (1, 2, 0, 3)]
+
+
+def test_a_failure_at_any_layer_and_micro_batch_fails_only_that_step():
+    """Every failure point, on both sides: each layer x micro-batch with rows, m = 1..4 with
+    zero-row micro-batches, the attention side raising before its exchange or the FFN's
+    compute raising. Each such step fails alone, within the 3 s step timeout (a mis-ordered
+    abort deadlocks until it and stops the deployment), and the next step of both peers is
+    right; attention rank 1 shares every step with its own shapes and no failure."""
+    layers = 3
+    rank0, rank1, attn_fail, ffn_fail = [], [], set(), []
+    for side in ("attention", "ffn"):
+        for shape in FAILURE_SHAPES:
+            with_rows = [mb for mb, n in enumerate(shape) if n]
+            for layer in range(layers):
+                for k, mb in enumerate(with_rows):
+                    step = len(rank0)
+                    if side == "attention":
+                        attn_fail.add((step, mb, layer))
+                    else:  # the layer's k-th computed micro-batch (rank 1's rows ride along)
+                        ffn_fail.append((step, layer, k))
+                    rank0.append(shape)
+                    rank1.append(tuple(min(n, 1) for n in shape))  # rows where rank 0 has
+    rank0.append((2, 2))
+    rank1.append((3,))
+    results = deploy(
+        2,
+        1,
+        {0: rank0, 1: rank1},
+        layers=layers,
+        timeout=3.0,
+        ffn_fail=ffn_fail,
+        attn_fail={0: attn_fail},
+    )
+    assert_no_errors(results)
+    out0, out1 = results[("attention", 0)], results[("attention", 1)]
+    n_attn = len(attn_fail)
+    assert len(out0) == len(rank0) and out0[-1] == "ok", out0[-3:]
+    for i, line in enumerate(out0[:-1]):
+        assert line.startswith("step failed"), (i, line)
+        if i < n_attn:
+            assert "failed on this rank" in line and "injected attention failure" in line
+        else:
+            assert "injected FFN failure" in line, (i, line)
+    # rank 1's steps: fine when only rank 0's attention failed, failed with the FFN's verdict
+    # when the FFN compute failed (its rows were in the failed step too)
+    assert out1[:n_attn] == ["ok"] * n_attn, out1[:n_attn]
+    assert all(line.startswith("step failed") for line in out1[n_attn:-1])
+    assert out1[-1] == "ok"
+    assert results[("ffn", 0)]["failed"] == len(ffn_fail)

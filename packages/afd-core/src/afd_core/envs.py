@@ -10,6 +10,14 @@ AFD_FORCE_SPAWN_MULTIPROCESSING = "AFD_FORCE_SPAWN_MULTIPROCESSING"
 AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK = "AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK"
 # A path prefix: each AFD process writes its step timeline there (benchmarks, afd_core.trace).
 AFD_STEP_TRACE = "AFD_STEP_TRACE"
+# Set by AFD itself (to the role) in a process that parsed an AFD config at start-up; the
+# processes vLLM starts after it (engine core, workers) inherit it. A deferred patch that
+# fails in a process where it is set stops that process: a server never runs without it.
+AFD_DEPLOYMENT_ROLE = "AFD_DEPLOYMENT_ROLE"
+# The deployment secret every rank proves to the rendezvous (connectors/gate.py): the value
+# itself, or a file holding it. Never a command-line value (`ps` shows those).
+AFD_DEPLOYMENT_SECRET = "AFD_DEPLOYMENT_SECRET"
+AFD_DEPLOYMENT_SECRET_FILE = "AFD_DEPLOYMENT_SECRET_FILE"
 # vLLM's own variable that selects a MoE routing-simulation strategy.
 VLLM_MOE_ROUTING_SIMULATION_STRATEGY = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
@@ -18,6 +26,9 @@ ALL = {
     AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK: "afd_balanced routing: experts per EP rank (0 = all)",
     VLLM_MOE_ROUTING_SIMULATION_STRATEGY: '"afd_balanced" selects AFD benchmark routing',
     AFD_STEP_TRACE: "path prefix: write step timelines <prefix>.<role><rank>.jsonl (benchmarks)",
+    AFD_DEPLOYMENT_ROLE: "set by AFD at start-up (the role); a failing deferred patch then stops",
+    AFD_DEPLOYMENT_SECRET: "the deployment secret (16+ bytes) the rendezvous requires",
+    AFD_DEPLOYMENT_SECRET_FILE: "a file holding the deployment secret (instead of the value)",
 }
 
 
@@ -47,3 +58,13 @@ def force_lb_topn_per_rank() -> int:
             "allowed: 0 (all local experts) or a positive number of experts per EP rank"
         )
     return value
+
+
+def mark_deployment(role: str) -> None:
+    """This process starts an AFD server (its config was parsed): so do its children."""
+    os.environ[AFD_DEPLOYMENT_ROLE] = role
+
+
+def in_deployment() -> bool:
+    """Whether this process, or the one that started it, parsed an AFD config."""
+    return bool(os.environ.get(AFD_DEPLOYMENT_ROLE))

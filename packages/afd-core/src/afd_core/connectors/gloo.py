@@ -4,7 +4,9 @@ of AFD's own.
 
 Each FFN rank k and its attention peers form one group (FFN rank at group rank 0); its
 `data` gloo group has the step timeout (a gloo timeout closes the pair, so it is fatal, as
-a lost peer mid-step is). vLLM's own process groups are never touched.
+a lost peer mid-step is). vLLM's own process groups are never touched. Both groups connect
+a pair at its first operation (`gloo_group`): each attention rank holds one pair per group,
+to its FFN rank, instead of one to every member.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import datetime
 
 from afd_core.connectors.p2p import PointToPointConnector
-from afd_core.connectors.rendezvous import StoreTransport
+from afd_core.connectors.rendezvous import StoreTransport, gloo_group
 from afd_core.connectors.transport import Handle, Transport
 
 
@@ -24,7 +26,7 @@ class GlooTransport(StoreTransport):
     def _connect_data(self, prefix: str) -> None:
         import torch.distributed as dist
 
-        self._data = dist.ProcessGroupGloo(
+        self._data = gloo_group(
             dist.PrefixStore(prefix + "/data", self._store),
             self.group_rank,
             self.group_size,
@@ -44,6 +46,9 @@ class GlooTransport(StoreTransport):
 
 class GlooConnector(PointToPointConnector):
     """Connector `gloo`: the point-to-point AFD protocol over GlooTransport (CPU tensors)."""
+
+    # each attention rank has pairs of its own with the FFN rank: a lost one fails alone
+    survives_peer_loss = True
 
     def new_transport(self, *args, **kwargs) -> Transport:
         return GlooTransport(*args, **kwargs)

@@ -18,6 +18,8 @@ from afd_core.connectors.transport import Transport, TransportError
 
 
 class ControlInbox:
+    CLOSED = (-1, None)  # what `get` returns once the inbox is closed
+
     def __init__(self, transport: Transport, num_peers: int, name: str):
         self._transport = transport
         self._queue: queue.Queue = queue.Queue()
@@ -44,15 +46,25 @@ class ControlInbox:
             except TransportError as exc:
                 self._queue.put((i, exc))
                 return
+            except BaseException as exc:  # noqa: BLE001 - a listener must not die silently
+                self._queue.put((i, TransportError(f"control listener failed: {exc!r}")))
+                return
+            if self._closed:
+                return
             self._queue.put((i, buf.tolist()))
 
-    def get(self, block: bool = True):
-        """(peer index, words) or (peer index, TransportError); None when not blocking and
-        nothing is there."""
+    def get(self, block: bool = True, timeout_s: float | None = None):
+        """(peer index, words) or (peer index, TransportError); None when nothing came
+        (not blocking, or within timeout_s); CLOSED once closed."""
+        if self._closed:
+            return self.CLOSED
         try:
-            return self._queue.get(block)
+            return self._queue.get(block, timeout_s)
         except queue.Empty:
             return None
 
     def close(self) -> None:
+        """Wake a `get` waiting for the next step. The listeners stop at their next
+        message, or when the transport closes under their receive."""
         self._closed = True
+        self._queue.put(self.CLOSED)

@@ -43,6 +43,7 @@ from afd_core.connectors.control import (
     decode,
 )
 from afd_core.connectors.inbox import ControlInbox
+from afd_core.connectors.order import AttentionOrder, FFNOrder
 from afd_core.connectors.status import (
     STATUS_LEN,
     StatusCode,
@@ -106,6 +107,7 @@ class _AttentionStep:
     status: Handle
     next_layer: list[int]
     inflight: dict[int, Exchange]
+    order: AttentionOrder  # the exchanges in the order the FFN rank expects them
 
 
 class PendingBatch:
@@ -116,7 +118,7 @@ class PendingBatch:
         self.layer = layer
         self.microbatch = microbatch
         self._batch = batch
-        self._handles = handles  # (peer index, handle)
+        self._handles = handles  # (peer index, handle, the rows it fills)
         self.done = False
 
     def wait(self) -> FFNBatch:
@@ -146,11 +148,14 @@ class PointToPointConnector(AFDConnector):
         # FFN side
         self._plan: StepPlan | None = None
         self._active_peers: list[bool] = [True] * len(self.peers)
+        self.peers_lost: list[int] = []  # attention ranks dropped after their channel failed
         self._peer_server: list[int] = [0] * len(self.peers)  # peers of one server step together
         self._inbox: ControlInbox | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
         self._held_control: list = []  # control messages held back to the next step
+        # the order of the step's receives and sends (set per step by recv_control)
+        self._recv_order, self._send_order = FFNOrder(1, "receive"), FFNOrder(1, "send")
         self._pending_sends: list[tuple] = []  # peer, layer, mb, handle, the tensor sent
         # FFN side: two sets of receive buffers (rows, router logits, token ids) used in
         # turn, so the receive of the next layer/micro-batch lands in one while the other is
@@ -199,6 +204,9 @@ class PointToPointConnector(AFDConnector):
     # receive buffers allocated once, for the most rows the peers may send, instead of
     # growing: their addresses never change (a captured device graph reads them)
     fixed_receive_buffers = False
+    # FFN side: a lost attention peer is dropped and the others are served on (its
+    # channels fail alone); False where one communicator spans the group (NCCL, HCCL)
+    survives_peer_loss = False
 
     # -- naming, for error messages --------------------------------------------------------
     def _me(self) -> str:
@@ -511,6 +519,7 @@ class PointToPointConnector(AFDConnector):
             status=status,
             next_layer=[0] * len(msg.tokens),
             inflight={},
+            order=AttentionOrder(self.wire.num_exchange_layers, msg.tokens),
         )
         self._step += 1
         return msg
@@ -561,6 +570,8 @@ class PointToPointConnector(AFDConnector):
                 f"{self._me()}: layer {layer} has no token ids, but the model routes by token "
                 "id (the wire carries them)"
             )
+        if rows:
+            step.order.issue(layer, microbatch, f"{self._me()} in step {step.number}")
         if len(step.rows) > 1:
             # other micro-batches compute while this send is in flight: it gets its own copy
             # of the rows, whatever memory the model reuses for them
@@ -680,6 +691,7 @@ class PointToPointConnector(AFDConnector):
                 f"micro-batch(es) {sorted(step.inflight)} exchanged in Python"
             )
         step.next_layer = [self.wire.num_exchange_layers] * len(step.rows)
+        step.order.issue_all()
         self.watch_replay(f"the replayed exchanges of step {step.number} with {self._peer_name(0)}")
 
     def watch_replay(self, what: str) -> None:
@@ -703,16 +715,20 @@ class PointToPointConnector(AFDConnector):
             if step.rows[mb]
         )
         for mb in sorted(step.inflight):
-            ex = step.inflight[mb]
-            ex.wait()
+            step.inflight[mb].wait()
         zeros = {mb: self._zero_rows(rows) for mb, rows in enumerate(step.rows) if rows}
-        # layer-major, micro-batch-minor, as the FFN rank walks the step: a channel that
-        # matches in issue order (NCCL, HCCL) would otherwise pair the rows of different
-        # micro-batches, whose sizes differ
-        for layer in range(min(step.next_layer, default=0), self.wire.num_exchange_layers):
-            for mb, (rows, logits, ids) in zeros.items():
-                if layer >= step.next_layer[mb]:
-                    self.start_exchange(rows, layer, mb, logits, token_ids=ids).wait()
+        # in the order the FFN rank walks the step (layer-major, micro-batch-minor): every
+        # micro-batch that still owes a layer posts it, then the layer's are waited for
+        by_layer: dict[int, list[int]] = {}
+        for layer, mb in step.order.remaining():
+            by_layer.setdefault(layer, []).append(mb)
+        for layer, mbs in by_layer.items():
+            posted = [
+                self.start_exchange(zeros[mb][0], layer, mb, zeros[mb][1], token_ids=zeros[mb][2])
+                for mb in mbs
+            ]
+            for ex in posted:
+                ex.wait()
         self._finish(step)
         return stopped
 
@@ -732,23 +748,11 @@ class PointToPointConnector(AFDConnector):
         if self._inbox is None:
             self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
             self._inbox.start()
-        held, self._held_control = self._held_control, []
-
-        def next_item(block: bool):
-            return held.pop(0) if held else self._inbox.get(block)
-
-        arrived: dict[int, ControlMessage] = {}
-        self._take_control(next_item(True), arrived)
         while True:
-            servers = {self._peer_server[i] for i in arrived}
-            waiting_for_mate = any(
-                self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
-                for j in range(len(self.peers))
-            )
-            item = next_item(waiting_for_mate)
-            if item is None:
+            arrived = self._gather_control()
+            # only goodbyes (or a departed peer's last socket error): no step to serve
+            if any(not m.is_shutdown for m in arrived.values()) or self.all_peers_left:
                 break
-            self._take_control(item, arrived)
         messages = [arrived[i] for i in sorted(arrived)]
         by_peer = {m.sender_rank: m for m in messages if not m.is_shutdown}
         # peers may split into different numbers of micro-batches: the FFN rank serves the
@@ -766,7 +770,46 @@ class PointToPointConnector(AFDConnector):
             flags |= m.flags
         self._plan = StepPlan(self._step, tuple(messages), rows, flags)
         self._ring_next = 0  # every step uses the buffers in the same order (graph replay)
+        self._recv_order = FFNOrder(n_mb, "receive")
+        self._send_order = FFNOrder(n_mb, "send")
         return self._plan
+
+    def _gather_control(self) -> dict[int, ControlMessage]:
+        """One step's control messages by peer index: the first to come (however long the
+        servers are idle), then every rank of its server (bounded by the step timeout: a
+        server's ranks step together) and whatever else already arrived."""
+        held, self._held_control = self._held_control, []
+        timeout_s = self._transport.timeout_s
+
+        def next_item(block: bool):
+            item = held.pop(0) if held else self._inbox.get(block, timeout_s if block else None)
+            if item is ControlInbox.CLOSED:
+                raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
+            return item
+
+        arrived: dict[int, ControlMessage] = {}
+        first = held.pop(0) if held else self._inbox.get()
+        if first is ControlInbox.CLOSED:
+            raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
+        self._take_control(first, arrived)
+        while True:
+            servers = {self._peer_server[i] for i in arrived}
+            missing = [
+                j
+                for j in range(len(self.peers))
+                if self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
+            ]
+            item = next_item(bool(missing))
+            if item is None:
+                if missing:
+                    ranks = ", ".join(str(self.peers[j]) for j in missing)
+                    raise AFDPeerError(
+                        f"{self._me()}: attention rank(s) {ranks} did not announce their next "
+                        f"step within {timeout_s:.0f}s of the other ranks of their server "
+                        "(the ranks of one attention server step together)"
+                    )
+                return arrived
+            self._take_control(item, arrived)
 
     def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
         """Check one peer's control message and add it to the step, or hold it back for the
@@ -777,7 +820,8 @@ class PointToPointConnector(AFDConnector):
             return  # a peer that left: its listener's last receive failed
         peer = self.peers[i]
         if isinstance(payload, TransportError):
-            raise self._control_error(i, payload)
+            self._lose_peer_or_raise(i, self._control_error(i, payload))
+            return
         if i in arrived:  # cannot happen: a peer sends its next step after this one ends
             raise AFDPeerError(
                 f"{self._me()}: attention rank {peer} announced a second step before its "
@@ -837,6 +881,7 @@ class PointToPointConnector(AFDConnector):
 
         t = self._require("ffn")
         plan = self._require_plan()
+        self._recv_order.issue(layer, microbatch, f"{self._me()} in step {self._step}")
         rows = plan.rows[microbatch]
         hidden, logits, ids = self._receive_buffers(sum(rows))
         handles = []
@@ -844,30 +889,58 @@ class PointToPointConnector(AFDConnector):
         for i, n in enumerate(rows):
             if n == 0:
                 continue
-            try:  # straight into the concatenated buffer: row slices are contiguous
-                tag = data_tag(layer, microbatch, KIND_HIDDEN)
-                handles.append((i, t.irecv(hidden[off : off + n], i + 1, tag)))
-                if logits is not None:
-                    tag = data_tag(layer, microbatch, KIND_LOGITS)
-                    handles.append((i, t.irecv(logits[off : off + n], i + 1, tag)))
-                if ids is not None:
-                    tag = data_tag(layer, microbatch, KIND_TOKENS)
-                    handles.append((i, t.irecv(ids[off : off + n], i + 1, tag)))
-            except TransportError as exc:
-                raise self._batch_error(i, layer, microbatch, exc) from None
+            views = [
+                (b[off : off + n], kind)
+                for b, kind in ((hidden, KIND_HIDDEN), (logits, KIND_LOGITS), (ids, KIND_TOKENS))
+                if b is not None
+            ]
             off += n
+            if not self._active_peers[i]:  # lost during this step: its rows are zeros
+                for view, _ in views:
+                    view.zero_()
+                continue
+            try:  # straight into the concatenated buffer: row slices are contiguous
+                for view, kind in views:
+                    handles.append(
+                        (i, t.irecv(view, i + 1, data_tag(layer, microbatch, kind)), view)
+                    )
+            except TransportError as exc:
+                self._lose_peer_or_raise(i, self._batch_error(i, layer, microbatch, exc))
+                for view, _ in views:
+                    view.zero_()
         batch = FFNBatch(hidden, logits, rows, ids)
         return PendingBatch(self, layer, microbatch, batch, handles)
 
     def _complete_batch(self, pending: PendingBatch) -> None:
         try:
-            for i, handle in pending._handles:
+            for i, handle, view in pending._handles:
                 try:
-                    handle.wait()
+                    if self._active_peers[i]:
+                        handle.wait()
+                        continue
                 except TransportError as exc:
-                    raise self._batch_error(i, pending.layer, pending.microbatch, exc) from None
+                    error = self._batch_error(i, pending.layer, pending.microbatch, exc)
+                    self._lose_peer_or_raise(i, error)
+                view.zero_()  # a lost peer's rows: zeros, computed and never sent back
         finally:
             pending.done = True
+
+    def _lose_peer_or_raise(self, i: int, error: AFDPeerError) -> None:
+        """A peer's channel failed: drop the peer and go on serving the others where the
+        transport allows it (its channels fail alone), else raise `error`. Its server's
+        other ranks are dropped as their own channels fail."""
+        if not self.survives_peer_loss:
+            raise error
+        if self._active_peers[i]:
+            self._active_peers[i] = False
+            self.peers_lost.append(self.peers[i])
+            logger.warning(
+                "AFD %s: attention rank %d is lost and dropped; the other attention ranks "
+                "are served on (%s)",
+                self._me(),
+                self.peers[i],
+                error,
+            )
 
     def _batch_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
@@ -930,6 +1003,7 @@ class PointToPointConnector(AFDConnector):
         t = self._require("ffn")
         self.check_tensor(output)
         rows = self._require_plan().rows[microbatch]
+        self._send_order.issue(layer, microbatch, f"{self._me()} in step {self._step}")
         if output.shape[0] != sum(rows):
             raise AFDPeerError(
                 f"{self._me()}: layer {layer} output has {output.shape[0]} rows, peers sent "
@@ -948,16 +1022,17 @@ class PointToPointConnector(AFDConnector):
             output = output.contiguous()
         off = 0
         for i, n in enumerate(rows):
-            if n == 0:
+            off += n
+            if n == 0 or not self._active_peers[i]:
                 continue
             try:
                 tag = data_tag(layer, microbatch, KIND_HIDDEN)
-                handle = t.isend(output[off : off + n], i + 1, tag)
+                handle = t.isend(output[off - n : off], i + 1, tag)
             except TransportError as exc:
-                raise self._return_error(i, layer, microbatch, exc) from None
+                self._lose_peer_or_raise(i, self._return_error(i, layer, microbatch, exc))
+                continue
             # the output stays referenced until settle_sends joins the send (see Exchange)
             self._pending_sends.append((i, layer, microbatch, handle, output))
-            off += n
 
     def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
@@ -972,7 +1047,7 @@ class PointToPointConnector(AFDConnector):
                 try:
                     handle.wait()
                 except TransportError as exc:
-                    raise self._return_error(i, layer, mb, exc) from None
+                    self._lose_peer_or_raise(i, self._return_error(i, layer, mb, exc))
         finally:
             self._pending_sends.clear()
 
@@ -986,25 +1061,31 @@ class PointToPointConnector(AFDConnector):
         step_of = {m.sender_rank: m.step for m in plan.live}  # each peer counts its own steps
         handles = []
         try:
+            self.settle_sends()
             for i, peer in enumerate(self.peers):
-                if peer not in step_of:
+                if peer not in step_of or not self._active_peers[i]:
                     continue
                 mine = dataclasses.replace(status, step=step_of[peer])
                 payload = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-                handles.append((i, t.isend_status(payload, i + 1)))
-            self.settle_sends()
+                try:
+                    handles.append((i, t.isend_status(payload, i + 1)))
+                except TransportError as exc:
+                    self._lose_peer_or_raise(i, self._end_error(i, step_of, exc))
             for i, handle in handles:
                 try:
                     handle.wait()
                 except TransportError as exc:
-                    raise AFDPeerError(
-                        f"{self._me()} ending step {step_of[self.peers[i]]} with attention "
-                        f"rank {self.peers[i]}: {exc}"
-                    ) from None
+                    self._lose_peer_or_raise(i, self._end_error(i, step_of, exc))
         finally:
             self._pending_sends.clear()
             self._plan = None
             self._step += 1
+
+    def _end_error(self, i: int, step_of: dict, exc) -> AFDPeerError:
+        return AFDPeerError(
+            f"{self._me()} ending step {step_of[self.peers[i]]} with attention rank "
+            f"{self.peers[i]}: {exc}"
+        )
 
     def abort(self, reason: str) -> None:
         """Tell every live peer this FFN rank stops (best effort), so they stop at once

@@ -13,7 +13,9 @@ accelerators. A dead peer closes its sockets, which fails a pending receive at o
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import threading
 import time
 from abc import abstractmethod
 
@@ -21,6 +23,7 @@ from afd_core.connectors.transport import Handle, Transport, TransportError
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
+LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # PyTorch's switch: a group's pairs connect on first use
 STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
 CONTROL_TAG, STATUS_TAG = 0, 1  # control channel: attention -> FFN steps, FFN -> attention status
 
@@ -49,11 +52,21 @@ class StoreTransport(Transport):
         self._store = None
         self._ctrl = None
         self._deadline = None
+        self._door = None
 
     def open_store(self) -> None:
         import torch.distributed as dist
 
+        from afd_core.connectors.gate import deployment_secret
+
         self._deadline = time.monotonic() + self.connect_timeout_s
+        secret = deployment_secret()
+        if secret is not None:
+            self._open_gated_store(secret)
+            self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+            return
+        if not self.is_store_master:
+            self._refuse_if_gated()
         while True:
             # short attempts of our own: after a refused connection TCPStore's own retry
             # sleeps up to ~10 s, which would overshoot a short connect timeout
@@ -63,7 +76,12 @@ class StoreTransport(Transport):
             if not listening and remaining > 0.5:
                 time.sleep(0.2)  # not up yet: wait quietly (TCPStore logs every failure)
                 continue
+            listen_fd = None
             try:
+                if self.is_store_master:
+                    # TCPStore's own listener takes every interface whatever the host says:
+                    # it gets a socket bound to afd.host's address only
+                    listen_fd = listen_socket(self.host, self.port)
                 self._store = dist.TCPStore(
                     self.host,
                     self.port,
@@ -71,10 +89,13 @@ class StoreTransport(Transport):
                     self.is_store_master,
                     timeout=datetime.timedelta(seconds=max(attempt, 0.1)),
                     wait_for_workers=False,
+                    master_listen_fd=listen_fd,
                     use_libuv=True,
                 )
                 break
             except Exception as exc:
+                if listen_fd is not None:
+                    _close_fd(listen_fd)
                 if not self.is_store_master and self._deadline - time.monotonic() > 0.5:
                     time.sleep(0.2)
                     continue
@@ -86,6 +107,75 @@ class StoreTransport(Transport):
                     "FFN server is started"
                 ) from None
         self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+
+    def _refuse_if_gated(self) -> None:
+        from afd_core.connectors.gate import SECRET_ENV, SECRET_FILE_ENV, gate_greets
+
+        while not _listening(self.host, self.port) and time.monotonic() < self._deadline:
+            time.sleep(0.2)
+        if gate_greets(self.host, self.port):
+            raise TransportError(
+                f"the rendezvous at {self.host}:{self.port} requires the deployment secret, "
+                f"which this rank does not have: set {SECRET_ENV} or {SECRET_FILE_ENV} as on "
+                "the FFN server"
+            )
+
+    def _open_gated_store(self, secret: bytes) -> None:
+        """The store behind the gate (connectors/gate.py): on FFN rank 0 the store listens
+        on loopback and the gate on afd.host:afd.port; elsewhere the store client goes
+        through a local forwarder that proves the secret."""
+        import torch.distributed as dist
+
+        from afd_core.connectors.gate import Forwarder, Gate, GateError
+
+        timeout = datetime.timedelta(seconds=max(self._deadline - time.monotonic(), 0.1))
+        if self.is_store_master:
+            try:
+                door = listening_socket(self.host, self.port)
+            except OSError as exc:
+                raise TransportError(
+                    f"could not listen on {self.host}:{self.port} ({exc.strerror}); check "
+                    "afd.host/afd.port"
+                ) from None
+            inner = listening_socket("127.0.0.1", 0)  # the store itself: loopback only
+            store_port = inner.getsockname()[1]
+            try:
+                self._store = dist.TCPStore(
+                    "127.0.0.1",
+                    store_port,
+                    None,
+                    True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=inner.detach(),
+                    use_libuv=True,
+                )
+            except Exception:
+                door.close()
+                raise
+            self._door = Gate(door, store_port, secret)
+            return
+        forwarder = Forwarder(self.host, self.port, secret)
+        while True:
+            try:
+                forwarder.check(min(STORE_ATTEMPT_S, max(self._deadline - time.monotonic(), 0.1)))
+                break
+            except GateError as exc:
+                forwarder.close()
+                raise TransportError(str(exc)) from None
+            except OSError as exc:
+                if time.monotonic() > self._deadline:
+                    forwarder.close()
+                    raise TransportError(
+                        f"could not reach FFN rank 0's rendezvous at {self.host}:{self.port} "
+                        f"within {self.connect_timeout_s:.0f}s ({exc}); check afd.host/afd.port "
+                        "and that the FFN server is started"
+                    ) from None
+                time.sleep(0.2)
+        self._door = forwarder
+        self._store = dist.TCPStore(
+            "127.0.0.1", forwarder.port, None, False, timeout=timeout, wait_for_workers=False
+        )
 
     def join_group(self, fail_key: str | None = None) -> None:
         import torch.distributed as dist
@@ -101,7 +191,7 @@ class StoreTransport(Transport):
             raise TransportError(reason.decode())
         try:
             self._connect_data(prefix)
-            self._ctrl = dist.ProcessGroupGloo(
+            self._ctrl = gloo_group(
                 dist.PrefixStore(prefix + "/ctrl", self._store),
                 self.group_rank,
                 self.group_size,
@@ -154,6 +244,13 @@ class StoreTransport(Transport):
 
     def close(self) -> None:
         self._ctrl = None
+        if self._door is not None:  # the gate or forwarder of a store with a secret
+            try:  # a store's `set` is not answered: one round trip, so the relay has
+                self._store.check(["afd/closing"])  # passed on what was written
+            except Exception:  # noqa: BLE001 - the store may be gone
+                pass
+            self._door.close()
+            self._door = None
         self._store = None
 
     def store_set(self, key: str, value: bytes) -> None:
@@ -181,7 +278,10 @@ class StoreTransport(Transport):
             raise TransportError(f"{what}: {gloo_reason(exc, self.timeout_s)}") from None
 
     def isend_control(self, tensor, peer: int) -> Handle:
-        return self._handle(lambda: self._ctrl.send([tensor], peer, CONTROL_TAG), "control send")
+        # bounded: the peer's listener has its receive posted whenever it is alive
+        return self._handle(
+            lambda: self._ctrl.send([tensor], peer, CONTROL_TAG), "control send", bounded=True
+        )
 
     def irecv_control(self, tensor, peer: int) -> Handle:
         return self._handle(lambda: self._ctrl.recv([tensor], peer, CONTROL_TAG), "control receive")
@@ -195,6 +295,55 @@ class StoreTransport(Transport):
         return self._handle(
             lambda: self._ctrl.recv([tensor], peer, STATUS_TAG), "status receive", bounded=True
         )
+
+
+_lazy_lock = threading.Lock()
+
+
+def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta):
+    """A gloo process group whose pairs connect at their first operation, not all at once:
+    in an AFD group only the FFN rank talks to each attention peer, and a full mesh of 64
+    peers would hold about 2,000 connections per group for nothing. PyTorch reads its
+    switch (TORCH_GLOO_LAZY_INIT) from the environment when a group is built: set for AFD's
+    groups only, and put back."""
+    import torch.distributed as dist
+
+    with _lazy_lock:
+        before = os.environ.get(LAZY_INIT)
+        os.environ[LAZY_INIT] = "1"
+        try:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        finally:
+            if before is None:
+                os.environ.pop(LAZY_INIT, None)
+            else:
+                os.environ[LAZY_INIT] = before
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to `host`'s address (not every interface)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_socket(host: str, port: int) -> int:
+    """listening_socket's file descriptor, for the store to take over."""
+    return listening_socket(host, port).detach()
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _listening(host: str, port: int) -> bool:

@@ -75,11 +75,15 @@ def apply_when_imported(
     info: PatchInfo, module: str, patch: Callable[[ModuleType], None], why_deferred: str
 ) -> tuple[StepStatus, str]:
     """Apply `patch(module)` now if vLLM imported the module already, else right after it
-    does (a failure then is recorded under the patch's step)."""
+    does (a failure then is recorded under the patch's step, and stops the process if it
+    belongs to an AFD server: envs.in_deployment)."""
     require_supported_vllm(info.name)
+    from afd_core import envs
     from afd_core.patches.import_hooks import when_imported
 
-    if when_imported(module, patch, step=patch_step(info.name)):
+    # in a process of an AFD server a failure stops it at that import (start-up), instead
+    # of being recorded after the start-up check already passed
+    if when_imported(module, patch, step=patch_step(info.name), propagate=envs.in_deployment):
         return StepStatus.APPLIED, ""
     return StepStatus.DEFERRED, f"applied when {module} is imported ({why_deferred})"
 

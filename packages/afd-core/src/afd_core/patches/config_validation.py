@@ -34,8 +34,10 @@ Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 
 from __future__ import annotations
 
+from afd_core import envs
 from afd_core.config import AFD_KEY
 from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.connectors.gate import deployment_secret
 from afd_core.log import get_logger
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
 from afd_core.registration import StepStatus
@@ -306,6 +308,8 @@ def prepare_afd_config(device_type: str, vllm_config):
     if afd is None:
         return None
     assert_steps_ok_for(afd)
+    deployment_secret()  # a secret set but unreadable or too short: named before anything
+    envs.mark_deployment(afd.role)  # deferred patches then gate this server's processes
     validate_deployment(afd, vllm_config, device_type)
     validate_model(afd, vllm_config)
     pc = vllm_config.parallel_config

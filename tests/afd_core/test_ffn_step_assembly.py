@@ -1,0 +1,96 @@
+"""How the FFN rank assembles a step from its peers' control messages: the ranks of one
+attention server together (that wait bounded, naming who is missing), goodbyes that are no
+step, a close that wakes the serving thread, and a control listener that cannot die
+silently."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from afd_core.connectors.base import AFDPeerError
+from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.inbox import ControlInbox
+from afd_core.connectors.transport import TransportError
+from tests.afd_core.connector_fakes import ListInbox, connector, control
+
+pytestmark = pytest.mark.vllm  # needs torch
+
+
+def ffn_of(peers_servers, items):
+    conn = connector("ffn", a=len(peers_servers))
+    conn._peer_server = list(peers_servers)
+    conn._inbox = ListInbox(items)
+    return conn
+
+
+def test_a_servers_ranks_are_waited_for_within_the_step_timeout_naming_the_missing_one():
+    conn = ffn_of([0, 0], [(0, control(0, 0, (2,)))])  # one server of two ranks
+    with pytest.raises(AFDPeerError, match=r"attention rank\(s\) 1 did not announce .* 0s"):
+        conn.recv_control()
+    conn = ffn_of([0, 0], [(0, control(0, 0, (2,))), (1, control(1, 0, (3,)))])
+    assert conn.recv_control().rows == ((2, 3),)
+
+
+def test_goodbyes_alone_are_no_step():
+    """A SHUTDOWN is not a step to serve: the FFN rank waits for a real one (before, 5 real
+    steps were served as 7)."""
+    shutdown = control(0, 0, (), ControlFlag.SHUTDOWN)
+    conn = ffn_of([0, 1], [(0, shutdown), (1, control(1, 0, (4,)))])
+    plan = conn.recv_control()
+    assert plan.rows == ((0, 4),) and len(plan.live) == 1
+    # the last peer leaving ends the serving (an empty plan with every peer gone)
+    conn._plan = None
+    conn._inbox = ListInbox([(1, control(1, 1, (), ControlFlag.SHUTDOWN))])
+    assert conn.recv_control().live == () and conn.all_peers_left
+
+
+class BlockingTransport:
+    """Control receives that never complete, or fail with what the test asks."""
+
+    def __init__(self, fail=None):
+        self.fail = fail
+
+    def irecv_control(self, buf, peer):
+        fail = self.fail
+
+        class Handle:
+            def wait(self, timeout_s=None):
+                if fail is not None:
+                    raise fail
+                threading.Event().wait()
+
+        return Handle()
+
+
+def test_close_wakes_the_serving_thread_waiting_for_the_next_step():
+    inbox = ControlInbox(BlockingTransport(), 1, "ffn rank 0")
+    inbox.start()
+    conn = ffn_of([0], [])
+    conn._inbox = inbox
+    errors = []
+
+    def serve():
+        try:
+            conn.recv_control()
+        except AFDPeerError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    inbox.close()
+    t.join(timeout=5)
+    assert not t.is_alive()
+    assert errors == ["ffn rank 0: closed while waiting for the next step"]
+
+
+def test_a_listener_that_fails_with_anything_reports_it_as_its_peers_failure():
+    inbox = ControlInbox(BlockingTransport(fail=ValueError("bad buffer")), 1, "ffn rank 0")
+    inbox.start()
+    i, error = inbox.get(timeout_s=5)
+    assert i == 0 and isinstance(error, TransportError)
+    assert "control listener failed: ValueError('bad buffer')" in str(error)
+    conn = ffn_of([0], [(0, error)])
+    with pytest.raises(AFDPeerError, match="attention rank 0: control listener failed"):
+        conn.recv_control()
