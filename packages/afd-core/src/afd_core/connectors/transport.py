@@ -1,7 +1,7 @@
 """Point-to-point transport under a connector: tensors to and from one peer, with timeouts.
 
 A transport knows nothing of layers, control messages or topology: the connector logic
-(`p2p.py`) does. CPU gloo is one transport; accelerator transports (NCCL, HCCL) plug in here.
+(`p2p.py` and the modules it is made of) does. CPU gloo is one transport; accelerator transports (NCCL, HCCL) plug in here.
 Group-local ranks: the FFN rank is 0, its attention peers are 1..n.
 
 Every operation is non-blocking: it is posted at once and returns a `Handle` whose `wait()`

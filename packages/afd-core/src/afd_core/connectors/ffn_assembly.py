@@ -1,0 +1,170 @@
+"""How an FFN rank assembles a step from its peers' control messages.
+
+The first message to come starts a step, however long the servers are idle; then every
+rank of its attention server is waited for (they step together; bounded by the step
+timeout, naming who is missing) and whatever else already arrived joins. A capture is
+served alone; goodbyes alone are no step; a peer whose control channel fails is dropped
+where the transport allows it.
+"""
+
+from __future__ import annotations
+
+from afd_core.connectors.base import (
+    AFDPeerError,
+    StepPlan,
+)
+from afd_core.connectors.control import (
+    ControlError,
+    ControlFlag,
+    ControlMessage,
+    Expectation,
+    decode,
+)
+from afd_core.connectors.inbox import ControlInbox
+from afd_core.connectors.order import FFNOrder
+from afd_core.connectors.transport import TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class FFNStepAssembly:
+    """PointToPointConnector's step assembly (a mixin: the connector's state is its own)."""
+
+    # -- FFN side ------------------------------------------------------------------------------
+    def recv_control(self) -> StepPlan:
+        """The next step's control messages: blocks until some peer announces a step, then
+        takes every peer of the same attention server(s) (they step together) and whatever
+        other peers already announced; the rest join a later step (their servers step on
+        their own)."""
+        self._require("ffn")
+        if self._inbox is None:
+            self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
+            self._inbox.start()
+        while True:
+            arrived = self._gather_control()
+            # only goodbyes (or a departed peer's last socket error): no step to serve
+            if any(not m.is_shutdown for m in arrived.values()) or self.all_peers_left:
+                break
+        messages = [arrived[i] for i in sorted(arrived)]
+        by_peer = {m.sender_rank: m for m in messages if not m.is_shutdown}
+        # peers may split into different numbers of micro-batches: the FFN rank serves the
+        # most any peer announced, and a peer with fewer (or none this step) sends no rows
+        n_mb = max((m.num_microbatches for m in by_peer.values()), default=0)
+        rows = tuple(
+            tuple(
+                by_peer[p].tokens[mb] if p in by_peer and mb < by_peer[p].num_microbatches else 0
+                for p in self.peers
+            )
+            for mb in range(n_mb)
+        )
+        flags = ControlFlag.NONE
+        for m in by_peer.values():
+            flags |= m.flags
+        self._plan = StepPlan(self._step, tuple(messages), rows, flags)
+        self._ring_next = 0  # every step uses the buffers in the same order (graph replay)
+        self._recv_order = FFNOrder(n_mb, "receive")
+        self._send_order = FFNOrder(n_mb, "send")
+        return self._plan
+
+    def _gather_control(self) -> dict[int, ControlMessage]:
+        """One step's control messages by peer index: the first to come (however long the
+        servers are idle), then every rank of its server (bounded by the step timeout: a
+        server's ranks step together) and whatever else already arrived."""
+        held, self._held_control = self._held_control, []
+        timeout_s = self._transport.timeout_s
+
+        def next_item(block: bool):
+            item = held.pop(0) if held else self._inbox.get(block, timeout_s if block else None)
+            if item is ControlInbox.CLOSED:
+                raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
+            return item
+
+        arrived: dict[int, ControlMessage] = {}
+        first = held.pop(0) if held else self._inbox.get()
+        if first is ControlInbox.CLOSED:
+            raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
+        self._take_control(first, arrived)
+        while True:
+            servers = {self._peer_server[i] for i in arrived}
+            missing = [
+                j
+                for j in range(len(self.peers))
+                if self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
+            ]
+            item = next_item(bool(missing))
+            if item is None:
+                if missing:
+                    ranks = ", ".join(str(self.peers[j]) for j in missing)
+                    raise AFDPeerError(
+                        f"{self._me()}: attention rank(s) {ranks} did not announce their next "
+                        f"step within {timeout_s:.0f}s of the other ranks of their server "
+                        "(the ranks of one attention server step together)"
+                    )
+                return arrived
+            self._take_control(item, arrived)
+
+    def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
+        """Check one peer's control message and add it to the step, or hold it back for the
+        next step: a capture is served alone (its peers record their operations, nothing
+        moves), never in the same step as another server's real one."""
+        i, payload = item
+        if not self._active_peers[i]:
+            return  # a peer that left: its listener's last receive failed
+        peer = self.peers[i]
+        if isinstance(payload, TransportError):
+            self._lose_peer_or_raise(i, self._control_error(i, payload))
+            return
+        if i in arrived:  # cannot happen: a peer sends its next step after this one ends
+            raise AFDPeerError(
+                f"{self._me()}: attention rank {peer} announced a second step before its "
+                f"step {arrived[i].step} was served"
+            )
+        expect = Expectation(peer, self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i])
+        try:
+            msg = decode(payload, expect)
+        except ControlError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        if msg.step != self._peer_step[i]:
+            raise AFDPeerError(
+                f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
+                f"{self._peer_step[i]} is next for it (a control message was lost or sent "
+                "twice; the two sides are out of step)"
+            )
+        if not msg.is_shutdown and self._peer_server[i] not in {
+            self._peer_server[j] for j in arrived
+        }:
+            live = [m for m in arrived.values() if not m.is_shutdown]
+            if live and bool(live[0].flags & ControlFlag.CAPTURE) != bool(
+                msg.flags & ControlFlag.CAPTURE
+            ):
+                self._held_control.append(item)
+                return
+        if msg.is_shutdown:
+            self._active_peers[i] = False
+            logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
+        else:
+            self._peer_step[i] += 1
+        arrived[i] = msg
+
+    def _control_error(self, i: int, exc) -> AFDPeerError:
+        return AFDPeerError(
+            f"{self._me()} waiting for the next step from attention rank {self.peers[i]}: {exc}"
+        )
+
+    def peer_servers(self) -> list[int]:
+        """FFN side, after init: the attention server (its first rank) of each peer."""
+        self._require("ffn")
+        return list(self._peer_server)
+
+    @property
+    def all_peers_left(self) -> bool:
+        return not any(self._active_peers)
+
+    def rows_per_peer(self, microbatch: int) -> tuple[int, ...]:
+        return self._require_plan().rows[microbatch]
+
+    def _require_plan(self) -> StepPlan:
+        if self._plan is None:
+            raise AFDPeerError(f"{self._me()}: no step in flight (recv_control first)")
+        return self._plan

@@ -1,0 +1,257 @@
+"""Start-up membership of a point-to-point connector: the rendezvous, the roll call over the
+whole deployment, each group's connection and its handshake.
+
+Every rank claims its place and states the deployment's shape in FFN rank 0's store; no
+group connects before every rank has (a rank inside gloo's connect cannot see a failure
+recorded meanwhile). Then each group connects and its FFN rank checks every peer's hello
+and publishes one verdict, so a mismatch fails both sides with the same message. A failed
+start-up is recorded in the store for every rank to read; the rank holding the store waits
+for them before it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from afd_core.connectors.base import (
+    AFDPeerError,
+)
+from afd_core.connectors.transport import Transport, TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+FAILED_KEY = "afd/failed"  # the store key holding why start-up failed, for every rank
+FAILED_SEEN_KEY = "afd/failed/seen"  # ranks that left a failed start-up
+TIMED_OUT_KEY = "afd/failed/timed-out"  # set when start-up failed because ranks never came
+CLAIMS_KEY = "afd/claims"  # ranks that claimed a place (duplicates included)
+ROLL_CALL_KEY = "afd/roll-call"  # ranks whose claim and deployment shape were accepted
+FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
+
+
+class StartupMembership:
+    """PointToPointConnector's start-up (a mixin: the connector's state is its own)."""
+
+    def init(self) -> None:
+        if self._transport is not None:
+            return
+        transport = self.make_transport(self.group, self.group_rank, self.group_size)
+        try:
+            self._connect(transport)
+        except AFDPeerError:
+            self._leave_failed_start_up(transport)
+            raise
+        if self.config.is_ffn and self.fixed_receive_buffers:
+            self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
+
+    def _leave_failed_start_up(self, transport: Transport) -> None:
+        """The store lives in FFN rank 0's process: it stays until every rank of the
+        deployment that has come (or comes within FAILED_GRACE_S) read why start-up failed,
+        so no rank sees only a lost store."""
+        try:
+            transport.store_add(FAILED_SEEN_KEY, 1)
+            if not transport.hosts_store:
+                return
+            deadline = time.monotonic() + FAILED_GRACE_S
+            while time.monotonic() < deadline:
+                # after a connect timeout the missing ranks will not come; after an early
+                # failure every rank may still be on its way
+                expected = self.topology.world_size
+                if transport.store_try_get(TIMED_OUT_KEY) is not None:
+                    expected -= len(self.missing_ranks(transport))
+                if transport.store_add(FAILED_SEEN_KEY, 0) >= max(
+                    expected, transport.store_add(CLAIMS_KEY, 0)
+                ):
+                    return
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            logger.debug("AFD %s: start-up failure not acknowledged", self._me())
+
+    def _connect(self, transport: Transport) -> None:
+        extra = self.config.extra()
+        deadline = time.monotonic() + extra.connect_timeout_s
+        try:
+            transport.open_store()
+        except TransportError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        self._roll_call(transport, extra.connect_timeout_s)
+        try:
+            # No group connects before every rank of the deployment has claimed its place
+            # and checked its shape: a rank inside gloo's connect cannot see a failure
+            # recorded meanwhile, and would only find the store gone when FFN rank 0 stops.
+            transport.barrier(
+                ROLL_CALL_KEY,
+                self.topology.world_size,
+                deadline - time.monotonic(),
+                fail_key=FAILED_KEY,
+            )
+            transport.join_group(fail_key=FAILED_KEY)
+        except TransportError as exc:
+            raise self._start_up_error(transport, exc) from None
+        self._transport = transport
+        self._handshake(extra.connect_timeout_s)
+        # The rendezvous store lives in FFN rank 0's process: nobody may leave start-up
+        # (and FFN rank 0 may not stop) before every group of the deployment is connected.
+        try:
+            transport.barrier(
+                "afd/ready",
+                self.topology.world_size,
+                deadline - time.monotonic(),
+                fail_key=FAILED_KEY,
+            )
+        except TransportError as exc:
+            self._transport = None
+            raise self._start_up_error(transport, exc) from None
+        logger.info(
+            "AFD %s connected: group %d, peers %s, %s",
+            self._me(),
+            self.group,
+            self.peers,
+            self.wire,
+        )
+
+    # -- start-up checks over the whole deployment -------------------------------------------
+    def _deployment_shape(self) -> dict:
+        """What every rank of the deployment, in every group, must agree on."""
+        return {
+            "connector": self.config.connector,
+            "num_attention_ranks": self.config.num_attention_ranks,
+            "num_ffn_ranks": self.config.num_ffn_ranks,
+            "compute_gate_on_attention": self.config.compute_gate_on_attention,
+            "hidden_size": self.wire.hidden_size,
+            "dtype": self.wire.dtype,
+            "num_exchange_layers": self.wire.num_exchange_layers,
+            "router_width": self.wire.router_width,
+            "router_dtype": self.wire.router_dtype if self.wire.router_width else None,
+            "token_ids": self.wire.token_ids,
+        }
+
+    def _fail_deployment(self, transport: Transport, reason: str) -> AFDPeerError:
+        """Record why start-up failed, so every other rank stops at once with the reason."""
+        try:
+            transport.store_set(FAILED_KEY, reason.encode())
+        except Exception:  # noqa: BLE001 - the reason is still raised here
+            logger.debug("AFD %s: could not record the start-up failure", self._me())
+        return AFDPeerError(reason)
+
+    def _roll_call(self, transport: Transport, timeout_s: float) -> None:
+        """Claim this rank (a rank claimed twice is an error naming it) and check this
+        rank's view of the deployment against the first rank's."""
+        role = self.config.role
+        transport.store_add(CLAIMS_KEY, 1)
+        if transport.store_add(f"afd/rank/{role}/{self.role_rank}", 1) > 1:
+            raise self._fail_deployment(
+                transport,
+                f"AFD start-up failed: two servers claim {self._me()}: each rank belongs to "
+                "exactly one server "
+                "(check afd.start_rank and --data-parallel-size of every server of this role)",
+            )
+        mine = self._deployment_shape()
+        if transport.store_add("afd/deployment/first", 1) == 1:
+            transport.store_set("afd/deployment", json.dumps({"by": self._me(), **mine}).encode())
+            return
+        try:
+            theirs = json.loads(transport.store_get("afd/deployment", timeout_s))
+        except TransportError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        diffs = [
+            f"{self._me()} has {k}={v!r}, {theirs['by']} has {theirs.get(k)!r}"
+            for k, v in mine.items()
+            if theirs.get(k) != v
+        ]
+        if diffs:
+            raise self._fail_deployment(
+                transport,
+                "AFD handshake failed: "
+                + "; ".join(diffs)
+                + " (every server of a deployment needs the same afd shape and model)",
+            )
+
+    def missing_ranks(self, transport: Transport) -> list[str]:
+        """The ranks of the deployment that have not claimed their place yet."""
+        missing = [
+            f"FFN rank {k}"
+            for k in range(self.config.num_ffn_ranks)
+            if transport.store_add(f"afd/rank/ffn/{k}", 0) == 0
+        ]
+        missing += [
+            f"attention rank {j}"
+            for j in range(self.config.num_attention_ranks)
+            if transport.store_add(f"afd/rank/attention/{j}", 0) == 0
+        ]
+        return missing
+
+    def _start_up_error(self, transport: Transport, exc: TransportError) -> AFDPeerError:
+        try:
+            reason = transport.store_try_get(FAILED_KEY)
+            missing = self.missing_ranks(transport)
+        except Exception:  # noqa: BLE001 - the store may be gone with FFN rank 0
+            reason, missing = None, []
+        if reason is not None:
+            return AFDPeerError(f"{reason.decode()} (seen by {self._me()})")
+        if missing:
+            transport.store_set(TIMED_OUT_KEY, b"1")
+            return self._fail_deployment(
+                transport,
+                f"AFD start-up failed: {', '.join(missing)} of the deployment never joined "
+                f"({exc}): start the "
+                "server(s) holding them (afd.start_rank says which ranks a server holds)",
+            )
+        return AFDPeerError(f"{self._me()}: {exc}")
+
+    def _hello(self) -> dict:
+        return {
+            "role": self.config.role,
+            "role_rank": self.role_rank,
+            **self._deployment_shape(),
+            # each side's own --max-num-batched-tokens: not compared, it bounds what the
+            # FFN rank accepts from that peer in one micro-batch
+            "max_tokens": self.wire.max_tokens,
+            # which attention server this rank belongs to (its first rank): the ranks of one
+            # server step together, two servers on their own
+            "server": self.config.start_rank,
+        }
+
+    def _handshake(self, timeout_s: float) -> None:
+        t = self._transport
+        key = f"afd/g{self.group}/hello/{self.group_rank}"
+        mine = self._hello()
+        t.store_set(key, json.dumps(mine).encode())
+        verdict_key = f"afd/g{self.group}/verdict"
+        if self.config.is_ffn:
+            problems = []
+            for i, peer in enumerate(self.peers, start=1):
+                try:
+                    theirs = json.loads(t.store_get(f"afd/g{self.group}/hello/{i}", timeout_s))
+                except TransportError:
+                    problems.append(f"attention rank {peer} did not join within {timeout_s:.0f}s")
+                    continue
+                self._peer_max_tokens[i - 1] = int(theirs.get("max_tokens") or 0) or None
+                self._peer_server[i - 1] = int(theirs.get("server") or 0)
+                for field in mine:
+                    if field in ("role", "role_rank", "max_tokens", "server"):
+                        continue
+                    # the FFN side may hold the router weights or not; only the width matters
+                    if theirs.get(field) != mine[field]:
+                        problems.append(
+                            f"attention rank {peer} has {field}={theirs.get(field)!r}, "
+                            f"FFN rank {self.role_rank} has {mine[field]!r}"
+                        )
+                if theirs.get("role") != "attention" or theirs.get("role_rank") != peer:
+                    problems.append(
+                        f"group rank {i} should be attention rank {peer}, got "
+                        f"{theirs.get('role')} rank {theirs.get('role_rank')}"
+                    )
+            verdict = "ok" if not problems else "; ".join(problems)
+            t.store_set(verdict_key, verdict.encode())
+        else:
+            try:
+                verdict = t.store_get(verdict_key, timeout_s).decode()
+            except TransportError:
+                verdict = f"FFN rank {self.group} gave no verdict within {timeout_s:.0f}s"
+        if verdict != "ok":
+            self._transport = None
+            if self.config.is_ffn:  # every other group stops at once, too
+                self._fail_deployment(t, f"handshake of FFN rank {self.group}'s group: {verdict}")
+            raise AFDPeerError(f"AFD handshake failed for {self._me()}: {verdict}")
