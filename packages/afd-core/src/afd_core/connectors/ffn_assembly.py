@@ -74,17 +74,14 @@ class FFNStepAssembly:
         held, self._held_control = self._held_control, []
         timeout_s = self._transport.timeout_s
 
-        def next_item(block: bool):
-            item = held.pop(0) if held else self._inbox.get(block, timeout_s if block else None)
+        def next_item(block: bool, timeout: float | None = None):
+            item = held.pop(0) if held else self._inbox.get(block, timeout)
             if item is ControlInbox.CLOSED:
                 raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
             return item
 
         arrived: dict[int, ControlMessage] = {}
-        first = held.pop(0) if held else self._inbox.get()
-        if first is ControlInbox.CLOSED:
-            raise AFDPeerError(f"{self._me()}: closed while waiting for the next step")
-        self._take_control(first, arrived)
+        self._take_control(next_item(True), arrived)
         while True:
             servers = {self._peer_server[i] for i in arrived}
             missing = [
@@ -92,7 +89,7 @@ class FFNStepAssembly:
                 for j in range(len(self.peers))
                 if self._active_peers[j] and j not in arrived and self._peer_server[j] in servers
             ]
-            item = next_item(bool(missing))
+            item = next_item(bool(missing), timeout_s if missing else None)
             if item is None:
                 if missing:
                     ranks = ", ".join(str(self.peers[j]) for j in missing)

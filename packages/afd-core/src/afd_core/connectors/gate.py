@@ -213,10 +213,10 @@ class Forwarder(_Acceptor):
     to the gate at (host, port) after the handshake."""
 
     def __init__(self, host: str, port: int, secret: bytes):
+        from afd_core.connectors.rendezvous import listening_socket
+
         self._target, self._secret = (host, port), secret
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
+        listener = listening_socket("127.0.0.1", 0)
         self.port = listener.getsockname()[1]
         super().__init__(listener, self._serve_one, "afd-rendezvous-forwarder")
 

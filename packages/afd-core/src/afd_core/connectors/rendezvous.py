@@ -81,7 +81,7 @@ class StoreTransport(Transport):
                 if self.is_store_master:
                     # TCPStore's own listener takes every interface whatever the host says:
                     # it gets a socket bound to afd.host's address only
-                    listen_fd = listen_socket(self.host, self.port)
+                    listen_fd = listening_socket(self.host, self.port).detach()
                 self._store = dist.TCPStore(
                     self.host,
                     self.port,
@@ -332,11 +332,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def listen_socket(host: str, port: int) -> int:
-    """listening_socket's file descriptor, for the store to take over."""
-    return listening_socket(host, port).detach()
 
 
 def _close_fd(fd: int) -> None:
