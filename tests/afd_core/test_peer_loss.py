@@ -1,12 +1,17 @@
 """Lose an attention server, not the deployment (gloo): a peer whose process dies, between
-steps or in the middle of one, is dropped by its FFN rank, and the other attention server
-is served on without a failed step."""
+steps or in the middle of one, is dropped by its FFN rank while the other attention server
+is served on without a failed step; the same server, restarted, rejoins the running FFN
+server and serves again. A restart that does not fit is refused with the reason, and only
+it fails."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -16,54 +21,180 @@ pytestmark = pytest.mark.vllm  # needs torch
 
 LAYERS = 3
 STEPS = 8
+WAIT_S = 60.0  # bound on every wait for another process of the test
+FFN_TIMEOUT_S = 4.0  # a hung peer is dropped after this long
+ATTENTION_TIMEOUT_S = 20.0  # the other server's step waits while the FFN rank drops it
 
 
 def ffn(port, q):
     try:
         from afd_core.step.ffn import FFNStepServer
 
-        conn = make("ffn", 0, 2, 1, port, layers=LAYERS, timeout=10.0)
+        conn = make("ffn", 0, 2, 1, port, layers=LAYERS, timeout=FFN_TIMEOUT_S)
         conn.init()
         server = FFNStepServer(conn, list(range(LAYERS)), lambda layer, h, *_: h * 2 + layer)
         server.serve(threading.Event())
-        q.put(("ffn", {"lost": conn.peers_lost, "failed": server.failed_steps}))
+        failed_key = conn._transport.store_try_get("afd/failed")
+        q.put(
+            (
+                "ffn",
+                {
+                    "lost": conn.peers_lost,
+                    "rejoined": conn.peers_rejoined,
+                    "failed_steps": server.failed_steps,
+                    "afd/failed": failed_key,
+                },
+            )
+        )
         conn.close()
     except Exception:
         q.put(("ffn", "ERROR " + traceback.format_exc()))
 
 
-def attention(rank, die_at, port, q):
-    """Two servers of one rank each (start_rank = rank). die_at: (step, layer) where this
-    process exits at once, a layer's rows sent and its answer not awaited."""
+def _step(conn, rank, step):
+    """One step of three layers; True if the FFN output is right."""
+    import torch
+
+    conn.begin_step((2 + rank,))
+    h = torch.full((2 + rank, HIDDEN), float(step))
+    want = h.clone()
+    for layer in range(LAYERS):
+        h = conn.start_exchange(h, layer, 0).wait()
+        want = want * 2 + layer
+    conn.end_step()
+    return torch.equal(h, want)
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never came")
+        time.sleep(0.05)
+
+
+def steady_server(port, marks, q):
+    """Attention server 0: steps on until server 1's restart has served (bounded)."""
+    try:
+        conn = make(
+            "attention", 0, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=0
+        )
+        conn.init()
+        outcome = []
+        deadline = time.monotonic() + WAIT_S
+        while not (marks / "again-done").exists() and time.monotonic() < deadline:
+            outcome.append(_step(conn, 0, len(outcome)))
+            time.sleep(0.01)
+        conn.close()
+        q.put((0, {"steps": len(outcome), "wrong": outcome.count(False)}))
+    except Exception:
+        q.put((0, "ERROR " + traceback.format_exc()))
+
+
+def first_server(die_at, port, marks, q):
+    """Attention server 1, first process. die_at: (step, layer) where it exits at once, a
+    layer's rows sent and its answer not awaited; ("hang", step, layer): there it stops
+    (SIGSTOP: alive, its sockets open, silent); or ("leave", n): a goodbye after n steps."""
     import torch
 
     try:
-        conn = make("attention", rank, 2, 1, port, layers=LAYERS, timeout=10.0, start_rank=rank)
+        conn = make(
+            "attention", 1, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=1
+        )
         conn.init()
-        outcome = []
         for step in range(STEPS):
-            conn.begin_step((2 + rank,))
-            h = torch.full((2 + rank, HIDDEN), float(step))
-            want = h.clone()
+            if die_at == ("leave", step):
+                conn.close()
+                (marks / "first-gone").touch()
+                q.put(("first", "left"))
+                return
+            conn.begin_step((3,))
+            h = torch.full((3, HIDDEN), float(step))
             for layer in range(LAYERS):
                 ex = conn.start_exchange(h, layer, 0)
                 if die_at == (step, layer):
+                    (marks / "first-gone").touch()
                     os._exit(3)  # a crash: no goodbye, a step half done
+                if die_at == ("hang", step, layer):
+                    (marks / "first-gone").write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 h = ex.wait()
-                want = want * 2 + layer
             conn.end_step()
-            outcome.append("ok" if torch.equal(h, want) else "wrong")
-        conn.close()
-        q.put((rank, outcome))
+        q.put(("first", "ERROR never died"))
     except Exception:
-        q.put((rank, "ERROR " + traceback.format_exc()))
+        q.put(("first", "ERROR " + traceback.format_exc()))
 
 
-@pytest.mark.parametrize("die_at", [(3, 0), (5, 1)], ids=["step-3-layer-0", "step-5-layer-1"])
-def test_an_attention_server_that_dies_mid_step_is_dropped_and_the_other_is_served(die_at):
+def restarted_server(port, marks, misfit_first, q):
+    """Attention server 1 again, once the first process is gone: optionally a restart with
+    the wrong hidden size first (refused), then the right one, which serves STEPS steps."""
+    try:
+        from afd_core.connectors.base import AFDPeerError
+
+        _wait_for(marks / "first-gone")
+        refused = None
+        if misfit_first:
+            bad = make(
+                "attention", 1, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=1,
+                hidden=2 * HIDDEN,
+            )  # fmt: skip
+            try:
+                bad.init()
+            except AFDPeerError as exc:
+                refused = str(exc)
+        conn = make(
+            "attention", 1, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=1
+        )
+        t0 = time.monotonic()
+        conn.init()
+        rejoin_s = time.monotonic() - t0
+        outcome = [_step(conn, 1, step) for step in range(STEPS)]
+        (marks / "again-done").touch()
+        conn.close()
+        if hung := (marks / "first-gone").read_text():
+            os.kill(int(hung), signal.SIGKILL)  # the hung first process
+        q.put(("again", {"outcome": outcome, "refused": refused, "rejoin_s": rejoin_s}))
+    except Exception:
+        (marks / "again-done").touch()
+        q.put(("again", "ERROR " + traceback.format_exc()))
+
+
+def _run(tmp_path, die_at, misfit_first=False):
     port = free_port()
-    targets = [(ffn, port), (attention, 0, None, port), (attention, 1, die_at, port)]
-    out = run_processes(targets, timeout=90, expect=2)
+    targets = [
+        (ffn, port),
+        (steady_server, port, tmp_path),
+        (first_server, die_at, port, tmp_path),
+        (restarted_server, port, tmp_path, misfit_first),
+    ]
+    # a crashed first process reports nothing
+    out = run_processes(targets, timeout=120, expect=4 if die_at[0] == "leave" else 3)
     assert_no_errors(out)
-    assert out[0] == ["ok"] * STEPS  # the other server: every step right, none failed
-    assert out["ffn"] == {"lost": [1], "failed": 0}
+    return out
+
+
+@pytest.mark.parametrize(
+    "die_at",
+    [(3, 0), (5, 1), ("hang", 4, 1)],
+    ids=["crash-at-step-3-layer-0", "crash-at-step-5-layer-1", "hang-at-step-4-layer-1"],
+)
+def test_a_lost_attention_server_is_dropped_the_other_served_and_its_restart_rejoins(
+    die_at, tmp_path
+):
+    out = _run(tmp_path, die_at)
+    # the other server: every step right, none failed, while server 1 died and came back
+    assert out[0]["wrong"] == 0 and out[0]["steps"] >= STEPS
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+    print(f"rejoin after {die_at} took {out['again']['rejoin_s']:.2f} s")
+
+
+def test_after_a_goodbye_the_restart_rejoins_and_a_misfit_restart_is_refused_alone(tmp_path):
+    out = _run(tmp_path, ("leave", 3), misfit_first=True)
+    refused = out["again"]["refused"]
+    assert refused is not None and "hidden_size=16" in refused and "ffn rank 0 has 8" in refused
+    assert out["first"] == "left"
+    assert out[0]["wrong"] == 0
+    assert out["again"]["outcome"] == [True] * STEPS
+    # nothing written to afd/failed after the deployment formed; nobody counted as lost
+    assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}

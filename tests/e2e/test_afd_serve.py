@@ -171,6 +171,46 @@ def test_a_failed_step_fails_its_request_and_the_next_one_is_served(one_to_one, 
     assert d.att.proc.poll() is None and d.ffn.proc.poll() is None
 
 
+def afd_metrics(url: str) -> dict:
+    """{(name, labels...): value} of the afd_* samples on a server's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, *sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("afd_")
+        for s in family.samples
+    }
+
+
+def test_both_roles_show_afd_metrics_on_vllms_metrics_endpoint(one_to_one):
+    d = one_to_one
+    att_rank = (("rank", "0"), ("role", "attention"))
+    ffn_rank = (("rank", "0"), ("role", "ffn"))
+
+    def scrape():
+        time.sleep(1.2)  # a rank writes its numbers at most once a second, at a step's end
+        complete(d.att.url, PROMPTS[0], 2)
+        return afd_metrics(d.att.url), afd_metrics(d.ffn.url)
+
+    att, ffn = scrape()
+    run_prompts(d.att.url)
+    att2, ffn2 = scrape()
+    for before, after, rank in ((att, att2, att_rank), (ffn, ffn2, ffn_rank)):
+        assert after[("afd_peer_up", ("peer", "0"), *rank)] == 1.0
+        for name in ("afd_steps_total", "afd_exchange_wait_seconds_count",
+                     "afd_rows_per_microbatch_count"):  # fmt: skip
+            assert after[(name, *rank)] > before[(name, *rank)] > 0, name
+    assert ffn2[("afd_ffn_busy_seconds_total", *ffn_rank)] > 0
+    assert ffn2[("afd_ffn_idle_seconds_total", *ffn_rank)] > 0
+    assert ffn2[("afd_peers_lost_total", *ffn_rank)] == 0
+    print({k: v for k, v in ffn2.items() if "bucket" not in k[0]})
+
+
 def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
     """`afd bench` against this running deployment, the smallest run (one sweep size pair,
     one repetition, batch 2): checks what it writes, not speed."""

@@ -106,6 +106,8 @@ class AttentionSide:
             raise AFDPeerError(
                 f"{self._me()} could not start step {self._step} with {self._peer_name(0)}: {exc}"
             ) from None
+        for rows in msg.tokens:
+            self.metrics.rows.observe(rows)
         self._current = _AttentionStep(
             number=self._step,
             rows=msg.tokens,
@@ -199,7 +201,9 @@ class AttentionSide:
         try:
             for h in ex._handles:
                 h.wait()
-            self._trace.add("wait", t0, now())
+            t1 = now()
+            self._trace.add("wait", t0, t1)
+            self.metrics.exchange_wait.observe(t1 - t0)
         except TransportError as exc:
             raise self._exchange_error(step, ex.layer, ex.microbatch, exc) from None
         finally:
@@ -224,6 +228,7 @@ class AttentionSide:
 
     def _exchange_error(self, step, layer, microbatch, exc) -> AFDPeerError:
         where = f"layer {layer} (micro-batch {microbatch}) of step {step.number}"
+        self._ffn_gone()
         status = self._ffn_status_now(step)
         if status is not None and status.code == StatusCode.ABORT:
             return AFDPeerError(
@@ -248,10 +253,22 @@ class AttentionSide:
                 + "; ".join(missing or [f"micro-batch(es) {sorted(step.inflight)} in flight"])
             )
         status = self._finish(step)
+        self._count_step(failed=status.code == StatusCode.STEP_FAILED)
         if status.code == StatusCode.STEP_FAILED:
             raise AFDStepError(
                 f"{self._peer_name(0)} failed {status.where()} for {self._me()}: {status.reason}"
             )
+
+    def _count_step(self, failed: bool) -> None:
+        self.metrics.add("steps")
+        if failed:
+            self.metrics.add("failed_steps")
+        self.metrics.publish()
+
+    def _ffn_gone(self) -> None:
+        """This rank cannot go on with its FFN rank: its /metrics says so at once."""
+        self.metrics.set_peers([self.group], False)
+        self.metrics.publish(now=True)
 
     def _finish(self, step: _AttentionStep) -> StepStatus:
         self._current = None
@@ -261,12 +278,14 @@ class AttentionSide:
             step.status.wait()
             status = decode_status(bytes(step.status_buf.numpy()), self.group)
         except TransportError as exc:
+            self._ffn_gone()
             raise AFDPeerError(
                 f"{self._me()} waiting for {self._peer_name(0)} to end {where}: {exc}"
             ) from None
         except StatusError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         if status.code == StatusCode.ABORT:
+            self._ffn_gone()
             raise AFDPeerError(
                 f"{self._me()}: {self._peer_name(0)} stopped the deployment at {where}: "
                 f"{status.reason}"
@@ -325,6 +344,7 @@ class AttentionSide:
             for ex in posted:
                 ex.wait()
         self._finish(step)
+        self._count_step(failed=True)
         return stopped
 
     def _zero_rows(self, rows: int) -> tuple:

@@ -22,8 +22,10 @@ from afd_core.connectors.control import (
 )
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.order import FFNOrder
+from afd_core.connectors.rejoin import RejoinRequest, RejoinWatch
 from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
+from afd_core.trace import now
 
 logger = get_logger(__name__)
 
@@ -38,9 +40,15 @@ class FFNStepAssembly:
         other peers already announced; the rest join a later step (their servers step on
         their own)."""
         self._require("ffn")
+        waiting_since = now()
         if self._inbox is None:
             self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
             self._inbox.start()
+            if self.survives_peer_loss:
+                self._rejoin_watch = RejoinWatch(
+                    self._transport, self.group, len(self.peers), self._inbox, self._me()
+                )
+                self._rejoin_watch.start()
         while True:
             arrived = self._gather_control()
             # only goodbyes (or a departed peer's last socket error): no step to serve
@@ -65,6 +73,10 @@ class FFNStepAssembly:
         self._ring_next = 0  # every step uses the buffers in the same order (graph replay)
         self._recv_order = FFNOrder(n_mb, "receive")
         self._send_order = FFNOrder(n_mb, "send")
+        self._busy_since = now()
+        self.metrics.add("ffn_idle_seconds", self._busy_since - waiting_since)
+        for mb_rows in rows:
+            self.metrics.rows.observe(sum(mb_rows))
         return self._plan
 
     def _gather_control(self) -> dict[int, ControlMessage]:
@@ -106,6 +118,9 @@ class FFNStepAssembly:
         next step: a capture is served alone (its peers record their operations, nothing
         moves), never in the same step as another server's real one."""
         i, payload = item
+        if isinstance(payload, RejoinRequest):
+            self._admit(i, payload)
+            return
         if not self._active_peers[i]:
             return  # a peer that left: its listener's last receive failed
         peer = self.peers[i]
@@ -139,6 +154,10 @@ class FFNStepAssembly:
                 return
         if msg.is_shutdown:
             self._active_peers[i] = False
+            self._peer_left[i] = True
+            self._release_claim(i)
+            self.metrics.set_peers([peer], False)
+            self.metrics.publish(now=True)
             logger.info("AFD %s: attention rank %d left the deployment", self._me(), peer)
         else:
             self._peer_step[i] += 1
@@ -156,6 +175,10 @@ class FFNStepAssembly:
 
     @property
     def all_peers_left(self) -> bool:
+        """Every peer said goodbye: the deployment stops. While a lost peer may still
+        come back (rejoin.py), the FFN rank waits for it."""
+        if self.survives_peer_loss:
+            return all(self._peer_left)
         return not any(self._active_peers)
 
     def rows_per_peer(self, microbatch: int) -> tuple[int, ...]:

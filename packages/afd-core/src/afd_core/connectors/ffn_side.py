@@ -20,6 +20,7 @@ from afd_core.connectors.status import (
 )
 from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
+from afd_core.trace import now
 
 logger = get_logger(__name__)
 
@@ -82,6 +83,7 @@ class FFNDataPath:
         return PendingBatch(self, layer, microbatch, batch, handles)
 
     def _complete_batch(self, pending: PendingBatch) -> None:
+        t0 = now()
         try:
             for i, handle, view in pending._handles:
                 try:
@@ -94,6 +96,7 @@ class FFNDataPath:
                 view.zero_()  # a lost peer's rows: zeros, computed and never sent back
         finally:
             pending.done = True
+            self.metrics.exchange_wait.observe(now() - t0)
 
     def _lose_peer_or_raise(self, i: int, error: AFDPeerError) -> None:
         """A peer's channel failed: drop the peer and go on serving the others where the
@@ -104,6 +107,10 @@ class FFNDataPath:
         if self._active_peers[i]:
             self._active_peers[i] = False
             self.peers_lost.append(self.peers[i])
+            self._release_claim(i)
+            self.metrics.set_peers([self.peers[i]], False)
+            self.metrics.add("peers_lost")
+            self.metrics.publish(now=True)
             logger.warning(
                 "AFD %s: attention rank %d is lost and dropped; the other attention ranks "
                 "are served on (%s)",
@@ -250,6 +257,10 @@ class FFNDataPath:
             self._pending_sends.clear()
             self._plan = None
             self._step += 1
+            self.metrics.add("steps")
+            self.metrics.add("failed_steps", failure is not None)
+            self.metrics.add("ffn_busy_seconds", now() - self._busy_since)
+            self.metrics.publish()
 
     def _end_error(self, i: int, step_of: dict, exc) -> AFDPeerError:
         return AFDPeerError(

@@ -2,26 +2,129 @@
 (`rendezvous.py`), and a data channel of torch.distributed gloo over TCP, in process groups
 of AFD's own.
 
-Each FFN rank k and its attention peers form one group (FFN rank at group rank 0); its
-`data` gloo group has the step timeout (a gloo timeout closes the pair, so it is fatal, as
-a lost peer mid-step is). vLLM's own process groups are never touched. Both groups connect
-a pair at its first operation (`gloo_group`): each attention rank holds one pair per group,
-to its FFN rank, instead of one to every member.
+Each FFN rank k and its attention peers form one group (FFN rank at group rank 0). In the
+AFD group itself each attention member has a link of its own with the FFN rank: two
+two-member gloo groups (control, with a very long timeout; data, with the step timeout; a
+gloo timeout closes the pair, so it is fatal, as a lost peer mid-step is). A lost member
+fails alone, and a restarted one gets a fresh link (`relink`, `join_link`: a gloo pair that
+failed cannot connect again). The groups between the FFN rank's own workers (tensor
+parallel, expert groups) are one group of all members. Every group connects a pair at its
+first operation (`gloo_group`). vLLM's own process groups are never touched.
 """
 
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 from afd_core.connectors.p2p import PointToPointConnector
-from afd_core.connectors.rendezvous import StoreTransport, gloo_group
-from afd_core.connectors.transport import Handle, Transport
+from afd_core.connectors.rendezvous import (
+    CONTROL_TIMEOUT,
+    StoreTransport,
+    abort_groups,
+    gloo_group,
+)
+from afd_core.connectors.transport import Handle, Transport, TransportError
+
+LINK_TAG = 1 << 30  # a link's first word each way; no data or control tag comes near it
+
+
+@dataclass
+class Link:
+    """One attention member's channels with its FFN rank: (group, the other side's rank)."""
+
+    ctrl: object
+    data: object
+    remote: int
 
 
 class GlooTransport(StoreTransport):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, per_member_links: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._data = None
+        self.per_member_links = per_member_links
+        self._links: dict[int, Link] = {}  # group rank -> its link (per_member_links)
+        self._prefix = f"afd/g{self.group}"
+
+    def _connect_channels(self, prefix: str) -> None:
+        if not self.per_member_links:
+            super()._connect_channels(prefix)
+            return
+        self._prefix = prefix
+        if self.group_rank == 0:
+            self._links = {m: self._link(m, 0) for m in range(1, self.group_size)}
+            for m in self._links:  # every member is connecting its link now
+                self._check_link(m)
+        else:
+            self._links = {0: self._link(self.group_rank, 0)}
+            self._check_link(0)
+
+    def _link(self, member: int, incarnation: int) -> Link:
+        """Member `member`'s link, for its `incarnation`-th process (0: the first)."""
+        import torch.distributed as dist
+
+        prefix = f"{self._prefix}/link{member}/{incarnation}"
+        me = 0 if self.group_rank == 0 else 1
+        ctrl = gloo_group(dist.PrefixStore(prefix + "/ctrl", self._store), me, 2, CONTROL_TIMEOUT)
+        data = gloo_group(
+            dist.PrefixStore(prefix + "/data", self._store),
+            me,
+            2,
+            datetime.timedelta(seconds=self.timeout_s),
+        )
+        return Link(ctrl, data, 1 - me)
+
+    def _check_link(self, peer: int) -> None:
+        """Connect both pairs of a link now, one word each way, while its other side does
+        the same: a gloo pair connects at its first operation, and the thread posting it
+        waits in the store for the other side's address, holding the store client (no other
+        store call of this process passes meanwhile). Done lazily by a listener, that wait
+        would last until the peer's first step."""
+        import torch
+
+        self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+        link = self._links[peer]
+        word = torch.zeros(1, dtype=torch.int64)
+        what = f"connecting AFD group {self.group}'s link with group rank {peer}"
+        for group in (link.ctrl, link.data):
+            ops = (group.recv, group.send) if self.group_rank == 0 else (group.send, group.recv)
+            for op in ops:
+                self._handle(
+                    lambda op=op, group=group: op([word], link.remote, LINK_TAG),
+                    what,
+                    bound_s=self.connect_timeout_s,
+                ).wait()
+
+    def relink(self, member: int, incarnation: int) -> None:
+        """FFN rank: a restarted member's fresh link replaces its failed one (the member
+        is connecting its side now)."""
+        old = self._links.get(member)
+        self._links[member] = self._link(member, incarnation)
+        if old is not None:
+            abort_groups(old.ctrl, old.data)
+        try:
+            self._check_link(member)
+        except TransportError:
+            abort_groups(self._links[member].ctrl, self._links[member].data)
+            raise
+
+    def join_link(self, incarnation: int) -> None:
+        """A restarted attention member joins a running group: its link only, no waiting
+        for the other members (they are serving)."""
+        self._links = {0: self._link(self.group_rank, incarnation)}
+        self._check_link(0)
+
+    def _ctrl_of(self, peer: int) -> tuple:
+        if not self.per_member_links:
+            return self._ctrl, peer
+        link = self._links[peer]
+        return link.ctrl, link.remote
+
+    def _data_of(self, peer: int) -> tuple:
+        if not self.per_member_links:
+            return self._data, peer
+        link = self._links[peer]
+        return link.data, link.remote
 
     def _connect_data(self, prefix: str) -> None:
         import torch.distributed as dist
@@ -34,24 +137,36 @@ class GlooTransport(StoreTransport):
         )
 
     def close(self) -> None:
+        abort_groups(
+            self._data, *(g for link in self._links.values() for g in (link.ctrl, link.data))
+        )
         self._data = None
+        self._links = {}
         super().close()
 
     def isend(self, tensor, peer: int, tag: int) -> Handle:
-        return self._handle(lambda: self._data.send([tensor], peer, tag), "send")
+        group, rank = self._data_of(peer)
+        return self._handle(lambda: group.send([tensor], rank, tag), "send")
 
     def irecv(self, tensor, peer: int, tag: int) -> Handle:
-        return self._handle(lambda: self._data.recv([tensor], peer, tag), "receive")
+        group, rank = self._data_of(peer)
+        return self._handle(lambda: group.recv([tensor], rank, tag), "receive")
 
 
 class GlooConnector(PointToPointConnector):
     """Connector `gloo`: the point-to-point AFD protocol over GlooTransport (CPU tensors)."""
 
-    # each attention rank has pairs of its own with the FFN rank: a lost one fails alone
+    # each attention rank has a link of its own with the FFN rank: a lost one fails alone,
+    # and a restarted attention server gets a fresh one
     survives_peer_loss = True
 
     def new_transport(self, *args, **kwargs) -> Transport:
         return GlooTransport(*args, **kwargs)
+
+    def make_transport(self, group: int, group_rank: int, group_size: int) -> Transport:
+        transport = super().make_transport(group, group_rank, group_size)
+        transport.per_member_links = True
+        return transport
 
     def check_tensor(self, tensor) -> None:
         if tensor.device.type != "cpu":

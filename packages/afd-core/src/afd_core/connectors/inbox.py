@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from afd_core.connectors.control import MESSAGE_LEN
 from afd_core.connectors.transport import Transport, TransportError
@@ -22,20 +23,35 @@ class ControlInbox:
 
     def __init__(self, transport: Transport, num_peers: int, name: str):
         self._transport = transport
+        self._name = name
         self._queue: queue.Queue = queue.Queue()
-        self._threads = [
-            threading.Thread(
-                target=self._listen, args=(i,), name=f"{name}-control-{i}", daemon=True
-            )
-            for i in range(num_peers)
-        ]
+        # each peer's listener generation: a restarted peer gets a new listener on its new
+        # link, and whatever the old one still reports is dropped
+        self._generation = [0] * num_peers
         self._closed = False
 
     def start(self) -> None:
-        for t in self._threads:
-            t.start()
+        for i in range(len(self._generation)):
+            self._start_listener(i)
 
-    def _listen(self, i: int) -> None:
+    def listen(self, i: int) -> None:
+        """A fresh listener for peer i (it rejoined on a new link)."""
+        self._generation[i] += 1
+        self._start_listener(i)
+
+    def put(self, i: int, item) -> None:
+        """Something for the serving thread about peer i, in turn with its messages."""
+        self._queue.put((i, None, item))
+
+    def _start_listener(self, i: int) -> None:
+        threading.Thread(
+            target=self._listen,
+            args=(i, self._generation[i]),
+            name=f"{self._name}-control-{i}",
+            daemon=True,
+        ).start()
+
+    def _listen(self, i: int, generation: int) -> None:
         """Peer i (group rank i + 1): one control message after another, until it fails."""
         import torch
 
@@ -44,27 +60,36 @@ class ControlInbox:
             try:
                 self._transport.irecv_control(buf, i + 1).wait()
             except TransportError as exc:
-                self._queue.put((i, exc))
+                self._queue.put((i, generation, exc))
                 return
             except BaseException as exc:  # noqa: BLE001 - a listener must not die silently
-                self._queue.put((i, TransportError(f"control listener failed: {exc!r}")))
+                error = TransportError(f"control listener failed: {exc!r}")
+                self._queue.put((i, generation, error))
                 return
             if self._closed:
                 return
-            self._queue.put((i, buf.tolist()))
+            self._queue.put((i, generation, buf.tolist()))
 
     def get(self, block: bool = True, timeout_s: float | None = None):
-        """(peer index, words) or (peer index, TransportError); None when nothing came
-        (not blocking, or within timeout_s); CLOSED once closed."""
-        if self._closed:
-            return self.CLOSED
-        try:
-            return self._queue.get(block, timeout_s)
-        except queue.Empty:
-            return None
+        """(peer index, words), (peer index, TransportError) or (peer index, what `put`
+        gave); None when nothing came (not blocking, or within timeout_s); CLOSED once
+        closed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self._closed:
+                return self.CLOSED
+            try:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                i, generation, item = self._queue.get(block, left)
+            except queue.Empty:
+                return None
+            if i < 0:
+                return self.CLOSED
+            if generation is None or generation == self._generation[i]:
+                return i, item
 
     def close(self) -> None:
         """Wake a `get` waiting for the next step. The listeners stop at their next
         message, or when the transport closes under their receive."""
         self._closed = True
-        self._queue.put(self.CLOSED)
+        self._queue.put((-1, None, None))

@@ -27,6 +27,7 @@ FAILED_SEEN_KEY = "afd/failed/seen"  # ranks that left a failed start-up
 TIMED_OUT_KEY = "afd/failed/timed-out"  # set when start-up failed because ranks never came
 CLAIMS_KEY = "afd/claims"  # ranks that claimed a place (duplicates included)
 ROLL_CALL_KEY = "afd/roll-call"  # ranks whose claim and deployment shape were accepted
+FORMED_KEY = "afd/formed"  # set once every rank of the deployment connected
 FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
 
 
@@ -37,11 +38,21 @@ class StartupMembership:
         if self._transport is not None:
             return
         transport = self.make_transport(self.group, self.group_rank, self.group_size)
+        deadline = time.monotonic() + self.config.extra().connect_timeout_s
         try:
-            self._connect(transport)
-        except AFDPeerError:
-            self._leave_failed_start_up(transport)
-            raise
+            transport.open_store()
+        except TransportError as exc:
+            raise AFDPeerError(f"{self._me()}: {exc}") from None
+        if transport.store_try_get(FORMED_KEY) is not None:
+            self._rejoin(transport, deadline)  # the deployment runs: this rank was restarted
+        else:
+            try:
+                self._connect(transport, deadline)
+            except AFDPeerError:
+                self._leave_failed_start_up(transport)
+                raise
+        self.metrics.set_peers(self._metric_peers(), True)
+        self.metrics.publish(now=True)
         if self.config.is_ffn and self.fixed_receive_buffers:
             self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
 
@@ -68,13 +79,8 @@ class StartupMembership:
         except Exception:  # noqa: BLE001 - the store may be gone already
             logger.debug("AFD %s: start-up failure not acknowledged", self._me())
 
-    def _connect(self, transport: Transport) -> None:
+    def _connect(self, transport: Transport, deadline: float) -> None:
         extra = self.config.extra()
-        deadline = time.monotonic() + extra.connect_timeout_s
-        try:
-            transport.open_store()
-        except TransportError as exc:
-            raise AFDPeerError(f"{self._me()}: {exc}") from None
         self._roll_call(transport, extra.connect_timeout_s)
         try:
             # No group connects before every rank of the deployment has claimed its place
@@ -103,6 +109,9 @@ class StartupMembership:
         except TransportError as exc:
             self._transport = None
             raise self._start_up_error(transport, exc) from None
+        # from now on a rank that comes is a restarted one (rejoin.py); nobody writes
+        # FAILED_KEY any more
+        transport.store_set(FORMED_KEY, b"1")
         logger.info(
             "AFD %s connected: group %d, peers %s, %s",
             self._me(),
@@ -147,26 +156,31 @@ class StartupMembership:
                 "exactly one server "
                 "(check afd.start_rank and --data-parallel-size of every server of this role)",
             )
-        mine = self._deployment_shape()
         if transport.store_add("afd/deployment/first", 1) == 1:
-            transport.store_set("afd/deployment", json.dumps({"by": self._me(), **mine}).encode())
+            shape = {"by": self._me(), **self._deployment_shape()}
+            transport.store_set("afd/deployment", json.dumps(shape).encode())
             return
+        if problem := self._shape_problem(transport, timeout_s):
+            raise self._fail_deployment(transport, problem)
+
+    def _shape_problem(self, transport: Transport, timeout_s: float) -> str | None:
+        """Where this rank's view of the deployment differs from the first rank's."""
         try:
             theirs = json.loads(transport.store_get("afd/deployment", timeout_s))
         except TransportError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         diffs = [
             f"{self._me()} has {k}={v!r}, {theirs['by']} has {theirs.get(k)!r}"
-            for k, v in mine.items()
+            for k, v in self._deployment_shape().items()
             if theirs.get(k) != v
         ]
-        if diffs:
-            raise self._fail_deployment(
-                transport,
-                "AFD handshake failed: "
-                + "; ".join(diffs)
-                + " (every server of a deployment needs the same afd shape and model)",
-            )
+        if not diffs:
+            return None
+        return (
+            "AFD handshake failed: "
+            + "; ".join(diffs)
+            + " (every server of a deployment needs the same afd shape and model)"
+        )
 
     def missing_ranks(self, transport: Transport) -> list[str]:
         """The ranks of the deployment that have not claimed their place yet."""
@@ -213,6 +227,30 @@ class StartupMembership:
             "server": self.config.start_rank,
         }
 
+    def _take_hello(self, i: int, theirs: dict) -> None:
+        """FFN side: what peer i's hello tells of it."""
+        self._peer_max_tokens[i] = int(theirs.get("max_tokens") or 0) or None
+        self._peer_server[i] = int(theirs.get("server") or 0)
+
+    def _hello_problems(self, i: int, theirs: dict, mine: dict) -> list[str]:
+        """FFN side: where peer i's hello disagrees with this rank's."""
+        peer = self.peers[i]
+        problems = [
+            f"attention rank {peer} has {field}={theirs.get(field)!r}, "
+            f"FFN rank {self.role_rank} has {mine[field]!r}"
+            for field in mine
+            # each side's own; the FFN side may hold the router weights or not (the width
+            # is compared)
+            if field not in ("role", "role_rank", "max_tokens", "server")
+            and theirs.get(field) != mine[field]
+        ]
+        if theirs.get("role") != "attention" or theirs.get("role_rank") != peer:
+            problems.append(
+                f"group rank {i + 1} should be attention rank {peer}, got "
+                f"{theirs.get('role')} rank {theirs.get('role_rank')}"
+            )
+        return problems
+
     def _handshake(self, timeout_s: float) -> None:
         t = self._transport
         key = f"afd/g{self.group}/hello/{self.group_rank}"
@@ -227,22 +265,8 @@ class StartupMembership:
                 except TransportError:
                     problems.append(f"attention rank {peer} did not join within {timeout_s:.0f}s")
                     continue
-                self._peer_max_tokens[i - 1] = int(theirs.get("max_tokens") or 0) or None
-                self._peer_server[i - 1] = int(theirs.get("server") or 0)
-                for field in mine:
-                    if field in ("role", "role_rank", "max_tokens", "server"):
-                        continue
-                    # the FFN side may hold the router weights or not; only the width matters
-                    if theirs.get(field) != mine[field]:
-                        problems.append(
-                            f"attention rank {peer} has {field}={theirs.get(field)!r}, "
-                            f"FFN rank {self.role_rank} has {mine[field]!r}"
-                        )
-                if theirs.get("role") != "attention" or theirs.get("role_rank") != peer:
-                    problems.append(
-                        f"group rank {i} should be attention rank {peer}, got "
-                        f"{theirs.get('role')} rank {theirs.get('role_rank')}"
-                    )
+                self._take_hello(i - 1, theirs)
+                problems += self._hello_problems(i - 1, theirs, mine)
             verdict = "ok" if not problems else "; ".join(problems)
             t.store_set(verdict_key, verdict.encode())
         else:

@@ -17,10 +17,11 @@ the same order, so a channel that matches in issue order (NCCL) needs no tags. A
 failed on either side is finished in protocol (rows of zeros) so the next step starts in
 step; only a transport failure ends the deployment.
 
-The connector is one class over four modules, one job each: start-up membership
-(`membership.py`), the attention side of a step (`attention_side.py`), how the FFN rank
-assembles a step (`ffn_assembly.py`) and its data path (`ffn_side.py`); the order both
-sides check is `order.py`, the tags `data_tags.py`.
+The connector is one class over five modules, one job each: start-up membership
+(`membership.py`), a restarted attention server's return (`rejoin.py`), the attention side
+of a step (`attention_side.py`), how the FFN rank assembles a step (`ffn_assembly.py`) and
+its data path (`ffn_side.py`); the order both sides check is `order.py`, the tags
+`data_tags.py`.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ from afd_core.connectors.ffn_side import FFNDataPath, PendingBatch
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.membership import StartupMembership
 from afd_core.connectors.order import FFNOrder
+from afd_core.connectors.rejoin import Rejoining, RejoinWatch
 from afd_core.connectors.transport import Transport
 from afd_core.log import get_logger
+from afd_core.metrics import RoleMetrics
 from afd_core.topology import Topology
 from afd_core.trace import trace_for
 
@@ -56,7 +59,7 @@ __all__ = ["Exchange", "PendingBatch", "PointToPointConnector", "data_tag"]
 
 
 class PointToPointConnector(
-    StartupMembership, AttentionSide, FFNStepAssembly, FFNDataPath, AFDConnector
+    StartupMembership, Rejoining, AttentionSide, FFNStepAssembly, FFNDataPath, AFDConnector
 ):
     def __init__(self, config, role_rank: int, wire: WireSpec):
         super().__init__(config, role_rank, wire)
@@ -79,8 +82,11 @@ class PointToPointConnector(
         self._plan: StepPlan | None = None
         self._active_peers: list[bool] = [True] * len(self.peers)
         self.peers_lost: list[int] = []  # attention ranks dropped after their channel failed
+        self.peers_rejoined: list[int] = []  # attention ranks whose restart was taken back
+        self._peer_left = [False] * len(self.peers)  # gone with a goodbye (not lost)
         self._peer_server: list[int] = [0] * len(self.peers)  # peers of one server step together
         self._inbox: ControlInbox | None = None
+        self._rejoin_watch: RejoinWatch | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next
         self._held_control: list = []  # control messages held back to the next step
@@ -94,6 +100,8 @@ class PointToPointConnector(
         self._ring: list[tuple | None] = [None, None]
         self._ring_next = 0
         self._trace = trace_for(config.role, role_rank)
+        self.metrics = RoleMetrics(config.role, role_rank)  # on the server's /metrics
+        self._busy_since = 0.0  # FFN side: when the step in flight was assembled
 
     # -- hooks for a transport ----------------------------------------------------------
     @abstractmethod
@@ -161,6 +169,10 @@ class PointToPointConnector(
             transport = self._transport
         if self._inbox is not None:
             self._inbox.close()
+        if self._rejoin_watch is not None:
+            self._rejoin_watch.close()
+        self.metrics.set_peers(self._metric_peers(), False)
+        self.metrics.publish(now=True)
         if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
                 self._send_words(
@@ -176,6 +188,10 @@ class PointToPointConnector(
             except Exception:
                 logger.debug("AFD %s: goodbye not delivered", self._me(), exc_info=True)
         transport.close()
+
+    def _metric_peers(self) -> list[int]:
+        """The ranks `afd_peer_up` shows: the attention peers, or the FFN rank."""
+        return list(self.peers) if self.config.is_ffn else [self.group]
 
     def _require(self, role: str) -> Transport:
         if self._transport is None or self._closed:

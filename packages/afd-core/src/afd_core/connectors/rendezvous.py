@@ -178,7 +178,6 @@ class StoreTransport(Transport):
         )
 
     def join_group(self, fail_key: str | None = None) -> None:
-        import torch.distributed as dist
 
         prefix = f"afd/g{self.group}"
         # Wait for the whole group in the store first: members start minutes apart (model
@@ -190,13 +189,7 @@ class StoreTransport(Transport):
         if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
             raise TransportError(reason.decode())
         try:
-            self._connect_data(prefix)
-            self._ctrl = gloo_group(
-                dist.PrefixStore(prefix + "/ctrl", self._store),
-                self.group_rank,
-                self.group_size,
-                CONTROL_TIMEOUT,
-            )
+            self._connect_channels(prefix)
         except TransportError:
             raise
         except Exception as exc:
@@ -238,11 +231,28 @@ class StoreTransport(Transport):
                 time.sleep(0.01)
                 left = self._store.add(key + "/left", 0)
 
+    def _connect_channels(self, prefix: str) -> None:
+        """Connect this group's data and control channels (every member arrived)."""
+        import torch.distributed as dist
+
+        self._connect_data(prefix)
+        self._ctrl = gloo_group(
+            dist.PrefixStore(prefix + "/ctrl", self._store),
+            self.group_rank,
+            self.group_size,
+            CONTROL_TIMEOUT,
+        )
+
+    def _ctrl_of(self, peer: int) -> tuple:
+        """The control group that reaches group rank `peer`, and its rank there."""
+        return self._ctrl, peer
+
     @abstractmethod
     def _connect_data(self, prefix: str) -> None:
         """Connect this group's data channel (the store is open, every member arrived)."""
 
     def close(self) -> None:
+        abort_groups(self._ctrl)
         self._ctrl = None
         if self._door is not None:  # the gate or forwarder of a store with a secret
             try:  # a store's `set` is not answered: one round trip, so the relay has
@@ -269,32 +279,61 @@ class StoreTransport(Transport):
     def store_try_get(self, key: str) -> bytes | None:
         return self._store.get(key) if self._store.check([key]) else None
 
-    def _handle(self, post, what: str, bounded: bool = False) -> Handle:
+    def _handle(
+        self, post, what: str, bounded: bool = False, bound_s: float | None = None
+    ) -> Handle:
         """A posted gloo operation; `bounded` waits at most the step timeout by default
-        (an operation of the control channel otherwise waits as long as its group)."""
+        (an operation of the control channel otherwise waits as long as its group),
+        `bound_s` at most that long."""
+        timeout_s = self.timeout_s if bound_s is None else bound_s
         try:
-            return GlooHandle(post(), what, self.timeout_s, bounded)
+            return GlooHandle(post(), what, timeout_s, bounded or bound_s is not None)
         except Exception as exc:  # posting fails at once when the pair is already closed
-            raise TransportError(f"{what}: {gloo_reason(exc, self.timeout_s)}") from None
+            raise TransportError(f"{what}: {gloo_reason(exc, timeout_s)}") from None
 
     def isend_control(self, tensor, peer: int) -> Handle:
         # bounded: the peer's listener has its receive posted whenever it is alive
         return self._handle(
-            lambda: self._ctrl.send([tensor], peer, CONTROL_TAG), "control send", bounded=True
+            lambda: _op(self._ctrl_of(peer), "send", tensor, CONTROL_TAG),
+            "control send",
+            bounded=True,
         )
 
     def irecv_control(self, tensor, peer: int) -> Handle:
-        return self._handle(lambda: self._ctrl.recv([tensor], peer, CONTROL_TAG), "control receive")
+        return self._handle(
+            lambda: _op(self._ctrl_of(peer), "recv", tensor, CONTROL_TAG), "control receive"
+        )
 
     def isend_status(self, tensor, peer: int) -> Handle:
         return self._handle(
-            lambda: self._ctrl.send([tensor], peer, STATUS_TAG), "status send", bounded=True
+            lambda: _op(self._ctrl_of(peer), "send", tensor, STATUS_TAG),
+            "status send",
+            bounded=True,
         )
 
     def irecv_status(self, tensor, peer: int) -> Handle:
         return self._handle(
-            lambda: self._ctrl.recv([tensor], peer, STATUS_TAG), "status receive", bounded=True
+            lambda: _op(self._ctrl_of(peer), "recv", tensor, STATUS_TAG),
+            "status receive",
+            bounded=True,
         )
+
+
+def _op(group_and_rank: tuple, what: str, tensor, tag: int):
+    group, rank = group_and_rank
+    return getattr(group, what)([tensor], rank, tag)
+
+
+def abort_groups(*groups) -> None:
+    """Stop gloo groups before they are dropped: a group dropped while one of its
+    operations is in progress (a listener's receive from a peer still alive) waits for it
+    in its destructor, for as long as the group's timeout."""
+    for group in groups:
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - already broken: nothing left to stop
+                pass
 
 
 _lazy_lock = threading.Lock()

@@ -39,6 +39,7 @@ from afd_core.config import AFD_KEY
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.gate import deployment_secret
 from afd_core.log import get_logger
+from afd_core.metrics import register_collector
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
 from afd_core.registration import StepStatus
 
@@ -310,6 +311,7 @@ def prepare_afd_config(device_type: str, vllm_config):
     assert_steps_ok_for(afd)
     deployment_secret()  # a secret set but unreadable or too short: named before anything
     envs.mark_deployment(afd.role)  # deferred patches then gate this server's processes
+    register_collector()  # the ranks' afd_* metrics on this server's /metrics
     validate_deployment(afd, vllm_config, device_type)
     validate_model(afd, vllm_config)
     pc = vllm_config.parallel_config

@@ -1,0 +1,190 @@
+"""A restarted attention server rejoins a running deployment.
+
+Once every rank connected (`membership.FORMED_KEY`), a rank that opens the store was
+restarted. An attention rank then claims its place again: the claim is free once its FFN
+rank dropped the previous process (lost, or gone with a goodbye), and is waited for up to
+the connect timeout. It checks the deployment's shape, leaves a hello and a request in the
+store, and waits for its FFN rank's verdict. The FFN rank's watcher thread passes the request
+to the serving thread with the peers' control messages, so it is taken between two steps:
+the hello is checked as at start-up, the peer gets a fresh link (gloo.py) and a listener,
+and its steps count from 0 again. A failed rejoin fails the restarted rank only: nothing is
+written to `afd/failed` after the deployment formed.
+
+Only a transport whose links fail alone can take a rejoining peer (`survives_peer_loss`):
+where one communicator spans the group (NCCL, HCCL), a lost peer stops its FFN rank and a
+restart starts the deployment again. A restarted FFN rank other than 0 is refused the same
+way (its attention peers stopped with it); FFN rank 0 holds the store, so its restart is a
+new deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from afd_core.connectors.base import AFDPeerError
+from afd_core.connectors.transport import Transport, TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+WATCH_INTERVAL_S = 0.2  # how often an FFN rank looks for rejoin requests
+REQUEST_WAIT_S = 5.0  # a request's record is written right after its number is taken
+
+
+@dataclass(frozen=True)
+class RejoinRequest:
+    """Peer i's restarted process asks for its place; its link is the incarnation-th."""
+
+    incarnation: int
+
+
+def claim_key(role: str, rank: int) -> str:
+    return f"afd/rank/{role}/{rank}"
+
+
+class Rejoining:
+    """PointToPointConnector's rejoin, both sides (a mixin: the connector's state is its
+    own)."""
+
+    # -- the restarted rank ----------------------------------------------------------------
+    def _rejoin(self, transport: Transport, deadline: float) -> None:
+        me = self._me()
+        if self.config.is_ffn:
+            raise AFDPeerError(
+                f"{me}: the deployment at {self.config.host}:{self.config.port} is running "
+                "and an FFN rank cannot join it; restart the deployment (every server)"
+            )
+        if not self.survives_peer_loss:
+            raise AFDPeerError(
+                f"{me}: the deployment at {self.config.host}:{self.config.port} is running, "
+                f"and connector {self.config.connector!r} cannot take a restarted attention "
+                "server (one communicator spans each group): restart the deployment"
+            )
+        if problem := self._shape_problem(transport, max(deadline - time.monotonic(), 1.0)):
+            raise AFDPeerError(problem)
+        claim = claim_key("attention", self.role_rank)
+        while transport.store_add(claim, 1) > 1:
+            transport.store_add(claim, -1)
+            if time.monotonic() > deadline:
+                raise AFDPeerError(
+                    f"AFD rejoin failed: {me} is still held by a running server of the "
+                    f"deployment (FFN rank {self.group} has not seen it leave): each rank "
+                    "belongs to exactly one server (check afd.start_rank and "
+                    "--data-parallel-size)"
+                )
+            time.sleep(0.2)
+        try:
+            verdict = self._ask_to_rejoin(transport, deadline)
+        except Exception:
+            transport.store_add(claim, -1)
+            raise
+        if verdict is None or verdict[1] != "ok":
+            transport.store_add(claim, -1)
+            why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
+            raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
+        try:
+            transport.join_link(verdict[0])
+        except TransportError as exc:
+            transport.store_add(claim, -1)
+            raise AFDPeerError(f"AFD rejoin failed for {me}: {exc}") from None
+        self._transport = transport
+        logger.info("AFD %s rejoined the running deployment: group %d", me, self.group)
+
+    def _ask_to_rejoin(self, transport: Transport, deadline: float) -> tuple[int, str] | None:
+        """(incarnation, the FFN rank's verdict), or None if none came by the deadline."""
+        g, member = self.group, self.group_rank
+        incarnation = transport.store_add(f"afd/g{g}/link{member}/incarnation", 1)
+        transport.store_set(
+            f"afd/g{g}/hello/{member}/{incarnation}", json.dumps(self._hello()).encode()
+        )
+        number = transport.store_add(f"afd/g{g}/rejoin/count", 1)
+        request = {"member": member, "incarnation": incarnation}
+        transport.store_set(f"afd/g{g}/rejoin/{number}", json.dumps(request).encode())
+        try:
+            verdict = transport.store_get(
+                f"afd/g{g}/verdict/{member}/{incarnation}", max(deadline - time.monotonic(), 1.0)
+            )
+        except TransportError:
+            return None
+        return incarnation, verdict.decode()
+
+    # -- the FFN rank ------------------------------------------------------------------------
+    def _admit(self, i: int, request: RejoinRequest) -> None:
+        """Serving thread, between steps: take peer i's restarted process, or tell it why
+        not."""
+        t, member, peer = self._transport, i + 1, self.peers[i]
+        if self._active_peers[i]:
+            verdict = f"attention rank {peer} is still served by {self._me()}"
+        else:
+            try:
+                hello_key = f"afd/g{self.group}/hello/{member}/{request.incarnation}"
+                theirs = json.loads(t.store_get(hello_key, REQUEST_WAIT_S))
+            except TransportError:
+                return  # the restarted process went before it said hello
+            problems = self._hello_problems(i, theirs, self._hello())
+            verdict = "; ".join(problems) if problems else "ok"
+        key = f"afd/g{self.group}/verdict/{member}/{request.incarnation}"
+        t.store_set(key, verdict.encode())
+        if verdict != "ok":
+            return
+        try:  # the restarted process connects its side as soon as it reads the verdict
+            t.relink(member, request.incarnation)
+        except TransportError as exc:
+            logger.warning("AFD %s: attention rank %d did not rejoin: %s", self._me(), peer, exc)
+            return
+        self._take_hello(i, theirs)
+        self._peer_step[i] = 0
+        self._peer_left[i] = False
+        self._active_peers[i] = True
+        self.peers_rejoined.append(peer)
+        self._inbox.listen(i)
+        self.metrics.set_peers([peer], True)
+        self.metrics.add("peers_rejoined")
+        self.metrics.publish(now=True)
+        logger.info("AFD %s: attention rank %d rejoined", self._me(), peer)
+
+    def _release_claim(self, i: int) -> None:
+        """Peer i left or was lost: its place is free for its restarted process."""
+        try:
+            self._transport.store_add(claim_key("attention", self.peers[i]), -1)
+        except Exception:  # noqa: BLE001 - the store may be gone: nobody can rejoin then
+            logger.debug("AFD %s: claim of peer %d not released", self._me(), i)
+
+
+class RejoinWatch:
+    """FFN rank: a thread that passes each rejoin request of this group, in turn, to the
+    serving thread (through the control inbox)."""
+
+    def __init__(self, transport: Transport, group: int, num_peers: int, inbox, name: str):
+        self._transport, self._group, self._num_peers = transport, group, num_peers
+        self._inbox = inbox
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"{name}-rejoin", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        t, g = self._transport, self._group
+        try:
+            seen = t.store_add(f"afd/g{g}/rejoin/count", 0)
+            while not self._stop.wait(WATCH_INTERVAL_S):
+                for number in range(seen + 1, t.store_add(f"afd/g{g}/rejoin/count", 0) + 1):
+                    seen = number
+                    try:
+                        request = json.loads(
+                            t.store_get(f"afd/g{g}/rejoin/{number}", REQUEST_WAIT_S)
+                        )
+                        member, incarnation = int(request["member"]), int(request["incarnation"])
+                    except (TransportError, ValueError, KeyError, TypeError):
+                        continue  # its process went before it wrote the request
+                    if 1 <= member <= self._num_peers:
+                        self._inbox.put(member - 1, RejoinRequest(incarnation))
+        except Exception:  # noqa: BLE001 - the store went with FFN rank 0: nobody can rejoin
+            logger.debug("AFD group %d: rejoin watch stopped", g, exc_info=True)

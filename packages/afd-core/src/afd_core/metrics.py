@@ -1,0 +1,231 @@
+"""What an operator watches of an AFD rank, on vLLM's Prometheus `/metrics` of its server.
+
+vLLM serves `/metrics` from its API server process (prometheus_client's default registry),
+while an AFD rank lives in the engine-core or worker process: metrics made there with
+prometheus_client would never be scraped. So each rank keeps its numbers here and writes a
+snapshot (JSON, at most once a second, and at once when a peer is lost or rejoins) into
+the directory named by AFD_METRICS_DIR; the API server's collector (`AFDCollector`,
+registered when the plugin loads) reads every live process's snapshot at each scrape.
+The first process of a server that loads the plugin makes the directory and sets the
+variable, so the processes vLLM starts from it inherit it.
+
+Metrics (labels role, rank; per-peer ones also peer):
+  afd_peer_up                      1 while the peer is served / connected, 0 once lost or gone
+  afd_exchange_wait_seconds        time a rank waited for the other side's rows (histogram)
+  afd_rows_per_microbatch          rows of each micro-batch of a step (histogram)
+  afd_steps_total, afd_failed_steps_total
+  afd_ffn_busy_seconds_total       FFN rank computing a step
+  afd_ffn_idle_seconds_total       FFN rank waiting for the next step
+  afd_peers_lost_total, afd_peers_rejoined_total
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+METRICS_DIR_ENV = "AFD_METRICS_DIR"
+PUBLISH_INTERVAL_S = 1.0
+# seconds: an exchange on loopback takes tens of microseconds, a lost peer up to timeout_s
+WAIT_BUCKETS = (1e-5, 1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Histogram:
+    """Cumulative-bucket histogram in plain numbers."""
+
+    def __init__(self, buckets: tuple):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bucket
+        self.sum = 0.0
+        self._lock = threading.Lock()  # micro-batch threads observe the same histogram
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, value)] += 1
+            self.sum += value
+
+    def as_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+class RoleMetrics:
+    """One AFD rank's numbers; `publish` writes them for the server's /metrics."""
+
+    def __init__(self, role: str, rank: int, directory: str | None = None):
+        self.role, self.rank = role, rank
+        self.directory = directory if directory is not None else os.environ.get(METRICS_DIR_ENV)
+        self.exchange_wait = Histogram(WAIT_BUCKETS)
+        self.rows = Histogram(ROW_BUCKETS)
+        self.counters = {
+            "steps": 0,
+            "failed_steps": 0,
+            "ffn_busy_seconds": 0.0,
+            "ffn_idle_seconds": 0.0,
+            "peers_lost": 0,
+            "peers_rejoined": 0,
+        }
+        self.peer_up: dict[int, int] = {}
+        self._last_publish = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, counter: str, amount: float = 1) -> None:
+        self.counters[counter] += amount
+
+    def set_peers(self, peers, up: bool) -> None:
+        for peer in peers:
+            self.peer_up[peer] = int(up)
+
+    def snapshot(self) -> dict:
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "exchange_wait": self.exchange_wait.as_dict(),
+            "rows": self.rows.as_dict(),
+            "counters": dict(self.counters),
+            "peer_up": {str(p): v for p, v in self.peer_up.items()},
+        }
+
+    def publish(self, now: bool = False) -> None:
+        """Write the snapshot (at most once per PUBLISH_INTERVAL_S unless `now`)."""
+        if not self.directory:
+            return
+        t = time.monotonic()
+        if not now and t - self._last_publish < PUBLISH_INTERVAL_S:
+            return
+        self._last_publish = t
+        with self._lock:  # a peer lost on one thread while another ends a step
+            path = Path(self.directory) / f"{self.role}-{self.rank}-{os.getpid()}.json"
+            try:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.snapshot()))
+                os.replace(tmp, path)  # a scrape never reads half a file
+            except OSError:
+                pass  # metrics never stop serving
+
+
+def ensure_metrics_dir() -> str:
+    """The metrics directory of this server's processes (made by the first one)."""
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="afd-metrics-")
+        os.environ[METRICS_DIR_ENV] = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class AFDCollector:
+    """prometheus_client collector over the snapshots of this server's live AFD ranks."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def _snapshots(self) -> list[dict]:
+        out = []
+        for path in sorted(Path(self.directory).glob("*.json")):
+            try:
+                snap = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if _alive(int(snap.get("pid", 0))):
+                out.append(snap)
+        return out
+
+    def collect(self):
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        snaps = self._snapshots()
+        labels = ["role", "rank"]
+        up = GaugeMetricFamily(
+            "afd_peer_up", "1 while the AFD peer is served or connected, 0 once lost or gone",
+            labels=[*labels, "peer"],
+        )  # fmt: skip
+        counters = {
+            "steps": CounterMetricFamily("afd_steps", "AFD steps run", labels=labels),
+            "failed_steps": CounterMetricFamily(
+                "afd_failed_steps", "AFD steps whose requests failed", labels=labels
+            ),
+            "ffn_busy_seconds": CounterMetricFamily(
+                "afd_ffn_busy_seconds", "FFN rank: time computing steps", labels=labels
+            ),
+            "ffn_idle_seconds": CounterMetricFamily(
+                "afd_ffn_idle_seconds", "FFN rank: time waiting for the next step", labels=labels
+            ),
+            "peers_lost": CounterMetricFamily(
+                "afd_peers_lost",
+                "attention ranks dropped after their channel failed",
+                labels=labels,
+            ),  # fmt: skip
+            "peers_rejoined": CounterMetricFamily(
+                "afd_peers_rejoined", "restarted attention ranks taken back", labels=labels
+            ),
+        }
+        wait = HistogramMetricFamily(
+            "afd_exchange_wait_seconds",
+            "time a rank waited for the other side's rows of one layer/micro-batch",
+            labels=labels,
+        )
+        rows = HistogramMetricFamily(
+            "afd_rows_per_microbatch", "rows of one micro-batch of a step", labels=labels
+        )
+        for snap in snaps:
+            values = [str(snap["role"]), str(snap["rank"])]
+            for peer, v in snap["peer_up"].items():
+                up.add_metric([*values, peer], v)
+            for name, family in counters.items():
+                family.add_metric(values, snap["counters"].get(name, 0))
+            for family, hist in ((wait, snap["exchange_wait"]), (rows, snap["rows"])):
+                family.add_metric(values, _buckets(hist), hist["sum"])
+        yield up
+        yield from counters.values()
+        yield wait
+        yield rows
+
+
+def _buckets(hist: dict) -> list[tuple[str, float]]:
+    total, out = 0, []
+    for bound, n in zip([*hist["buckets"], float("inf")], hist["counts"], strict=True):
+        total += n
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    return out
+
+
+_registered = False
+
+
+def register_collector() -> None:
+    """In a server's processes: make the metrics directory, and serve the AFD ranks'
+    snapshots on prometheus_client's default registry (the one vLLM's /metrics serves
+    with a single API server)."""
+    global _registered
+    if _registered:
+        return
+    directory = ensure_metrics_dir()
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(AFDCollector(directory))
+    _registered = True
