@@ -4,11 +4,13 @@ failure releases every waiting thread and is re-raised, threads are kept between
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from afd_core.step.microbatch import (
     MicrobatchExecutor,
+    MicrobatchStalled,
     current_microbatch,
     yield_to_next_microbatch,
 )
@@ -148,3 +150,60 @@ def test_caller_stream_is_none_without_an_accelerator():
 
     assert caller_stream() is None  # CPU (or no torch imported)
     enter_stream(None)  # nothing to do
+
+
+def test_a_step_that_makes_no_progress_is_bounded_and_named():
+    """A micro-batch stuck in its own compute (no yield, no end) ends the wait after
+    stall_timeout_s with an error naming it; the executor refuses further steps (its
+    thread is still inside the job)."""
+    release = threading.Event()
+
+    def stuck():
+        release.wait(30)
+        return "late"
+
+    ex = MicrobatchExecutor()
+    t0 = time.monotonic()
+    with pytest.raises(MicrobatchStalled, match=r"micro-batch 0 .*no progress within 0.3 s"):
+        ex.run([stuck, lambda: 1], stall_timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="stalled"):
+        ex.run([lambda: 1, lambda: 2])
+    release.set()
+
+
+def test_a_slow_step_that_keeps_yielding_is_not_stalled():
+    def job():
+        for _ in range(6):
+            time.sleep(0.1)
+            yield_to_next_microbatch()
+        return current_microbatch()
+
+    ex = MicrobatchExecutor()
+    assert ex.run([job, job], stall_timeout_s=0.5) == [0, 1]  # 1.2 s in all, progress each 0.1
+    ex.close()
+
+
+def test_a_stalled_step_stops_the_attention_rank_naming_the_micro_batch():
+    """The step driver bounds the wait by the connector's step timeout, and a stall is
+    fatal (AFDPeerError): the stuck thread may still issue this step's exchanges, so the
+    step cannot be finished in protocol."""
+    from types import SimpleNamespace
+
+    from afd_core.connectors.base import AFDPeerError
+    from afd_core.step.attention import AttentionStepDriver
+
+    calls = []
+    conn = SimpleNamespace(
+        role_rank=3,
+        config=SimpleNamespace(extra=lambda: SimpleNamespace(timeout_s=0.3)),
+        begin_step=lambda rows, flags: calls.append("begin") or SimpleNamespace(step=7),
+        abort_step=lambda: calls.append("abort"),
+        end_step=lambda: calls.append("end"),
+    )
+    release = threading.Event()
+    driver = AttentionStepDriver(conn)
+    with pytest.raises(AFDPeerError, match=r"attention rank 3: step 7: micro-batch 0 .*0.3 s"):
+        driver.run((1, 1), [lambda: release.wait(30), lambda: 1])
+    assert calls == ["begin"]  # neither ended nor aborted in protocol
+    release.set()

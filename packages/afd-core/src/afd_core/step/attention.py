@@ -16,7 +16,7 @@ from typing import Any
 
 from afd_core.connectors.base import AFDConnector, AFDPeerError, AFDStepError
 from afd_core.log import get_logger
-from afd_core.step.microbatch import MicrobatchExecutor
+from afd_core.step.microbatch import MicrobatchExecutor, MicrobatchStalled
 from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
@@ -31,6 +31,9 @@ class AttentionStepDriver:
         self.connector = connector
         self.executor = executor or MicrobatchExecutor()
         self.trace = trace_for("attention", connector.role_rank)
+        # a step whose micro-batches stop making progress (every exchange is bounded by
+        # the step timeout; a micro-batch's own compute between two is not) fails after it
+        self.stall_timeout_s = _step_timeout_s(connector)
 
     def run(
         self,
@@ -49,7 +52,10 @@ class AttentionStepDriver:
         t0 = now()
         msg = conn.begin_step(tuple(rows), flags)
         try:
-            results = [jobs[0]()] if len(jobs) == 1 else self.executor.run(jobs)
+            if len(jobs) == 1:
+                results = [jobs[0]()]
+            else:
+                results = self.executor.run(jobs, stall_timeout_s=self.stall_timeout_s)
             if replayed:
                 conn.mark_exchanged()
             conn.end_step()
@@ -57,6 +63,12 @@ class AttentionStepDriver:
             return results
         except (AFDPeerError, AFDStepError):
             raise
+        except MicrobatchStalled as exc:
+            # the stuck thread may still issue this step's exchanges: no abort in protocol
+            raise AFDPeerError(
+                f"attention rank {conn.role_rank}: step {msg.step}: {exc}; this rank "
+                "cannot stay in step with its FFN rank"
+            ) from None
         except BaseException as exc:
             try:
                 stopped = conn.abort_step()
@@ -70,3 +82,10 @@ class AttentionStepDriver:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _step_timeout_s(connector) -> float | None:
+    try:
+        return float(connector.config.extra().timeout_s)
+    except (AttributeError, TypeError, ValueError):
+        return None  # a connector without a step timeout (test doubles)

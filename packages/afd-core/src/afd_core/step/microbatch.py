@@ -31,6 +31,11 @@ class MicrobatchAborted(RuntimeError):
     """Raised inside a micro-batch thread released because another micro-batch failed."""
 
 
+class MicrobatchStalled(RuntimeError):
+    """A step's micro-batches made no progress (no yield, none ended) within the bound: one
+    is stuck in its own compute. Its thread cannot be stopped, so the executor is done."""
+
+
 _local = threading.local()  # .executor, .index: set in micro-batch threads only
 
 
@@ -85,6 +90,7 @@ class MicrobatchExecutor:
         self._run_lock = threading.Lock()  # one step at a time
         self._state_lock = threading.Lock()
         self._closed = False
+        self._stalled: str | None = None  # why no step can run any more
         self._reset(0)
 
     def _reset(self, n: int) -> None:
@@ -95,10 +101,15 @@ class MicrobatchExecutor:
         self._aborted = False
         self._all_done = threading.Event()
         self._stream = None  # the caller's accelerator stream, for every job
+        self._progress = 0  # yields and ends so far: a stuck step makes none
+        self._running = 0  # the micro-batch holding the baton
 
     # -- the caller's side --------------------------------------------------------------
-    def run(self, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
-        """Run the jobs as micro-batches 0..n-1 and return their results in order."""
+    def run(
+        self, jobs: Sequence[Callable[[], Any]], stall_timeout_s: float | None = None
+    ) -> list[Any]:
+        """Run the jobs as micro-batches 0..n-1 and return their results in order;
+        MicrobatchStalled if none yields or ends for stall_timeout_s (None: no bound)."""
         n = len(jobs)
         if not 1 <= n <= MAX_MICROBATCHES:
             raise ValueError(f"{n} micro-batches; allowed 1..{MAX_MICROBATCHES}")
@@ -107,6 +118,8 @@ class MicrobatchExecutor:
         with self._run_lock:
             if self._closed:
                 raise RuntimeError("the micro-batch executor is closed")
+            if self._stalled is not None:
+                raise RuntimeError(f"the micro-batch executor stalled earlier: {self._stalled}")
             while len(self._workers) < n:
                 self._workers.append(_Worker(self, len(self._workers)))
             self._reset(n)
@@ -116,11 +129,26 @@ class MicrobatchExecutor:
                 worker.job = job
                 worker.assigned.set()
             self._workers[0].baton.set()
-            self._all_done.wait()
+            self._wait_all_done(stall_timeout_s)
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
             return list(self._results)
+
+    def _wait_all_done(self, stall_timeout_s: float | None) -> None:
+        seen = -1
+        while not self._all_done.wait(stall_timeout_s):
+            with self._state_lock:
+                progress, running = self._progress, self._running
+                unfinished = [i for i in range(self._n) if not self._finished[i]]
+            if progress == seen:
+                self._stalled = (
+                    f"micro-batch {running} of this step made no progress within "
+                    f"{stall_timeout_s:g} s (no layer exchanged, not ended: stuck in its own "
+                    f"compute); micro-batch(es) {unfinished} unfinished"
+                )
+                raise MicrobatchStalled(self._stalled)
+            seen = progress
 
     def close(self) -> None:
         """Stop the threads (they are daemons; this only makes shutdown tidy)."""
@@ -145,6 +173,7 @@ class MicrobatchExecutor:
                 worker.baton.clear()
                 if self._aborted:
                     raise MicrobatchAborted(f"micro-batch {worker.index} released: step failed")
+                self._running = worker.index
                 enter_stream(self._stream)
                 self._on_resume(worker.index)
                 self._results[worker.index] = job()
@@ -162,6 +191,7 @@ class MicrobatchExecutor:
 
     def _yield(self, index: int) -> None:
         with self._state_lock:
+            self._progress += 1
             nxt = self._next_unfinished(index)
         if nxt is None:
             return  # the others are done: keep the baton
@@ -169,12 +199,14 @@ class MicrobatchExecutor:
         self._workers[nxt].baton.set()
         me.baton.wait()
         me.baton.clear()
+        self._running = index
         if self._aborted:
             raise MicrobatchAborted(f"micro-batch {index} released: another micro-batch failed")
         self._on_resume(index)
 
     def _finish(self, index: int) -> None:
         with self._state_lock:
+            self._progress += 1
             self._finished[index] = True
             nxt = self._next_unfinished(index)
             done = all(self._finished)
