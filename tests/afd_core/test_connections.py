@@ -76,3 +76,53 @@ def test_an_attention_rank_holds_the_same_few_connections_however_many_peers():
     assert attn2 == attn8 and max(attn8) <= 3, (attn2, attn8)
     per_peer = (eight["ffn"]["connections"] - two["ffn"]["connections"]) / 6
     assert per_peer <= 4, per_peer
+
+
+def attention_ranks_as_threads(a, port, q):
+    """All `a` attention ranks of one server in one process, one thread each (light: one
+    torch import for all), each through its own connector and connections."""
+    import threading
+
+    import torch
+
+    errors, per_rank = [], {}
+
+    def rank_main(rank):
+        try:
+            conn = make("attention", rank, a, 1, port, connect_timeout=120.0)
+            conn.init()
+            conn.begin_step((1,))
+            for layer in range(3):
+                conn.start_exchange(torch.ones(1, 8), layer, 0).wait()
+            conn.end_step()
+            per_rank[rank] = conn
+        except Exception:
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(a)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    n = established()
+    for conn in per_rank.values():
+        conn.close()
+    q.put(("attention", {"connections": n, "ranks": len(per_rank), "errors": errors[:1]}))
+
+
+def test_sixty_four_attention_ranks_cost_their_ffn_rank_a_few_connections_each():
+    """64 peers (the attention ranks as threads of one process): the FFN rank holds about
+    three connections per peer (its store serves the peer's client; one control and one
+    data pair), and the attention process three per rank; a full mesh would be ~4,000 per
+    group."""
+    a, port = 64, free_port()
+    out = run_processes([(ffn, a, port), (attention_ranks_as_threads, a, port)], timeout=300)
+    assert_no_errors(out)
+    att = out["attention"]
+    assert att["ranks"] == a and not att["errors"], att["errors"]
+    print(
+        f"\n64 peers: FFN rank {out['ffn']['connections']} connections, the process of the "
+        f"64 attention ranks {att['connections']} ({att['connections'] / a:.1f} per rank)"
+    )
+    assert out["ffn"]["connections"] <= 4 * a, out["ffn"]
+    assert att["connections"] <= 3 * a + 4, att
