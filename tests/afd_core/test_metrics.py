@@ -76,6 +76,23 @@ def test_a_dead_process_snapshot_is_not_shown(tmp_path):
     assert 'afd_steps_total{rank="0",role="attention"} 0.0' in scrape(tmp_path)
 
 
+@pytest.mark.vllm  # prometheus_client comes with vLLM (not in the afd-core lane)
+def test_only_the_servers_own_processes_are_shown(tmp_path):
+    """A directory shared by several servers (inherited from one shell or test process):
+    each server's /metrics shows the processes started under it, not a live stranger's
+    (here: this test's parent process, with stale numbers of the same role and rank)."""
+    stranger = RoleMetrics("attention", 0, str(tmp_path))
+    stranger.set_peers([0], False)
+    snap = stranger.snapshot() | {"pid": os.getppid()}
+    (tmp_path / f"attention-0-{os.getppid()}.json").write_text(json.dumps(snap))
+    mine = RoleMetrics("attention", 0, str(tmp_path))
+    mine.set_peers([0], True)
+    mine.publish(now=True)
+    text = scrape(tmp_path)
+    assert 'afd_peer_up{peer="0",rank="0",role="attention"} 1.0' in text
+    assert 'afd_peer_up{peer="0",rank="0",role="attention"} 0.0' not in text
+
+
 def test_without_a_directory_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("AFD_METRICS_DIR", raising=False)
     m = RoleMetrics("ffn", 0)

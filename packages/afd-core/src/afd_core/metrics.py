@@ -105,6 +105,7 @@ class RoleMetrics:
         with self._lock:  # a peer lost on one thread while another ends a step
             path = Path(self.directory) / f"{self.role}-{self.rank}-{os.getpid()}.json"
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)  # removed by whoever made it
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(self.snapshot()))
                 os.replace(tmp, path)  # a scrape never reads half a file
@@ -122,21 +123,45 @@ def ensure_metrics_dir() -> str:
     return directory
 
 
-def _alive(pid: int) -> bool:
+def _parent(pid: int) -> int | None:
+    """pid's parent (Linux /proc), or None if pid is gone or cannot be read."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether the live process pid is `ancestor` or was started under it. Without /proc
+    (not Linux): whether pid is alive."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    for _ in range(64):  # a process tree is never this deep
+        if pid == ancestor:
+            return True
+        parent = _parent(pid)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
 
 
 class AFDCollector:
-    """prometheus_client collector over the snapshots of this server's live AFD ranks."""
+    """prometheus_client collector over the snapshots of this server's live AFD ranks: the
+    processes started under the one that registered it (the directory may be shared, e.g.
+    inherited by servers started from one shell or test process)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, root_pid: int | None = None):
         self.directory = directory
+        self.root_pid = os.getpid() if root_pid is None else root_pid
 
     def _snapshots(self) -> list[dict]:
         out = []
@@ -145,7 +170,7 @@ class AFDCollector:
                 snap = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if _alive(int(snap.get("pid", 0))):
+            if _descends_from(int(snap.get("pid", 0)), self.root_pid):
                 out.append(snap)
         return out
 
