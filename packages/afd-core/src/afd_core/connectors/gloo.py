@@ -39,10 +39,10 @@ class Link:
 
 
 class GlooTransport(StoreTransport):
-    def __init__(self, *args, per_member_links: bool = False, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._data = None
-        self.per_member_links = per_member_links
+        self.per_member_links = False  # the AFD group's transport: set by GlooConnector
         self._links: dict[int, Link] = {}  # group rank -> its link (per_member_links)
         self._prefix = f"afd/g{self.group}"
 

@@ -31,6 +31,11 @@ FORMED_KEY = "afd/formed"  # set once every rank of the deployment connected
 FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
 
 
+def claim_key(role: str, rank: int) -> str:
+    """The store counter of the servers claiming a rank (1: claimed once, as it must)."""
+    return f"afd/rank/{role}/{rank}"
+
+
 class StartupMembership:
     """PointToPointConnector's start-up (a mixin: the connector's state is its own)."""
 
@@ -149,7 +154,7 @@ class StartupMembership:
         rank's view of the deployment against the first rank's."""
         role = self.config.role
         transport.store_add(CLAIMS_KEY, 1)
-        if transport.store_add(f"afd/rank/{role}/{self.role_rank}", 1) > 1:
+        if transport.store_add(claim_key(role, self.role_rank), 1) > 1:
             raise self._fail_deployment(
                 transport,
                 f"AFD start-up failed: two servers claim {self._me()}: each rank belongs to "
@@ -187,12 +192,12 @@ class StartupMembership:
         missing = [
             f"FFN rank {k}"
             for k in range(self.config.num_ffn_ranks)
-            if transport.store_add(f"afd/rank/ffn/{k}", 0) == 0
+            if transport.store_add(claim_key("ffn", k), 0) == 0
         ]
         missing += [
             f"attention rank {j}"
             for j in range(self.config.num_attention_ranks)
-            if transport.store_add(f"afd/rank/attention/{j}", 0) == 0
+            if transport.store_add(claim_key("attention", j), 0) == 0
         ]
         return missing
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from afd_core.connectors.base import AFDPeerError
+from afd_core.connectors.membership import claim_key
 from afd_core.connectors.transport import Transport, TransportError
 from afd_core.log import get_logger
 
@@ -39,10 +40,6 @@ class RejoinRequest:
     """Peer i's restarted process asks for its place; its link is the incarnation-th."""
 
     incarnation: int
-
-
-def claim_key(role: str, rank: int) -> str:
-    return f"afd/rank/{role}/{rank}"
 
 
 class Rejoining:
@@ -76,20 +73,18 @@ class Rejoining:
                     "--data-parallel-size)"
                 )
             time.sleep(0.2)
-        try:
+        try:  # a rejoin that fails frees the claim for the next try
             verdict = self._ask_to_rejoin(transport, deadline)
+            if verdict is None or verdict[1] != "ok":
+                why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
+                raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
+            try:
+                transport.join_link(verdict[0])
+            except TransportError as exc:
+                raise AFDPeerError(f"AFD rejoin failed for {me}: {exc}") from None
         except Exception:
             transport.store_add(claim, -1)
             raise
-        if verdict is None or verdict[1] != "ok":
-            transport.store_add(claim, -1)
-            why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
-            raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
-        try:
-            transport.join_link(verdict[0])
-        except TransportError as exc:
-            transport.store_add(claim, -1)
-            raise AFDPeerError(f"AFD rejoin failed for {me}: {exc}") from None
         self._transport = transport
         logger.info("AFD %s rejoined the running deployment: group %d", me, self.group)
 
