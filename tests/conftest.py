@@ -24,6 +24,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_vllm)
 
 
+# set in a process by AFD's start-up check (prepare_afd_config) for the servers it starts:
+# a test that runs the check in the pytest process must not hand them to later servers
+PROCESS_MARKS = ("AFD_METRICS_DIR", "AFD_DEPLOYMENT_ROLE")
+
+
+@pytest.fixture(autouse=True)
+def _afd_process_marks_stay_in_their_test():
+    before = {name: os.environ.get(name) for name in PROCESS_MARKS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def run_python(code: str, *, hide: tuple[str, ...] = (), env: dict | None = None, timeout=300):
     """Run code in a fresh interpreter of this environment; hide= makes modules unimportable
     (sys.modules[name] = None: `import` fails and importlib.util.find_spec returns None)."""

@@ -10,9 +10,35 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
+from pathlib import Path
 
 HIDDEN = 8
 LAYERS = 3
+
+
+def checked_step(conn, rank: int, step: int, layers: int = LAYERS) -> bool:
+    """One attention step of 2 + rank rows through an FFN rank computing h * 2 + layer;
+    True if the FFN output is right."""
+    import torch
+
+    conn.begin_step((2 + rank,))
+    h = torch.full((2 + rank, HIDDEN), float(step))
+    want = h.clone()
+    for layer in range(layers):
+        h = conn.start_exchange(h, layer, 0).wait()
+        want = want * 2 + layer
+    conn.end_step()
+    return torch.equal(h, want)
+
+
+def wait_for(path: Path, wait_s: float) -> None:
+    """Until another process of the test made `path` (at most wait_s)."""
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never came")
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -86,6 +86,7 @@ else:
 """
 DEFERRED_PATCHES = {
     "engine_core": "vllm.v1.engine.async_llm",
+    "health": "vllm.v1.engine.async_llm",
     "step_failure": "vllm.v1.core.sched.scheduler",
     "cpu_dp_collectives": "vllm.distributed.device_communicators.cpu_communicator",
 }
@@ -124,9 +125,10 @@ def test_a_deferred_patch_that_fails_in_an_afd_servers_process_stops_it():
     ]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda job: run(*job), jobs))
-    for (patch, _, _), line in zip(jobs[:3], results[:3], strict=True):
+    n = len(DEFERRED_PATCHES)
+    for (patch, _, _), line in zip(jobs[:n], results[:n], strict=True):
         assert line == f"STOPPED forced failure of {patch}", line
-    assert results[3] == "IMPORTED failed"
+    assert results[n] == "IMPORTED failed"
 
 
 def test_the_start_up_check_marks_the_process_as_an_afd_servers(monkeypatch):

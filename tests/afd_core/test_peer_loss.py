@@ -11,11 +11,18 @@ import signal
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 
-from tests.afd_core.gloo_harness import HIDDEN, assert_no_errors, free_port, make, run_processes
+from tests.afd_core.gloo_harness import (
+    HIDDEN,
+    assert_no_errors,
+    checked_step,
+    free_port,
+    make,
+    run_processes,
+    wait_for,
+)
 
 pytestmark = pytest.mark.vllm  # needs torch
 
@@ -51,28 +58,6 @@ def ffn(port, q):
         q.put(("ffn", "ERROR " + traceback.format_exc()))
 
 
-def _step(conn, rank, step):
-    """One step of three layers; True if the FFN output is right."""
-    import torch
-
-    conn.begin_step((2 + rank,))
-    h = torch.full((2 + rank, HIDDEN), float(step))
-    want = h.clone()
-    for layer in range(LAYERS):
-        h = conn.start_exchange(h, layer, 0).wait()
-        want = want * 2 + layer
-    conn.end_step()
-    return torch.equal(h, want)
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} never came")
-        time.sleep(0.05)
-
-
 def steady_server(port, marks, q):
     """Attention server 0: steps on until server 1's restart has served (bounded)."""
     try:
@@ -83,7 +68,7 @@ def steady_server(port, marks, q):
         outcome = []
         deadline = time.monotonic() + WAIT_S
         while not (marks / "again-done").exists() and time.monotonic() < deadline:
-            outcome.append(_step(conn, 0, len(outcome)))
+            outcome.append(checked_step(conn, 0, len(outcome), LAYERS))
             time.sleep(0.01)
         conn.close()
         q.put((0, {"steps": len(outcome), "wrong": outcome.count(False)}))
@@ -131,7 +116,7 @@ def restarted_server(port, marks, misfit_first, q):
     try:
         from afd_core.connectors.base import AFDPeerError
 
-        _wait_for(marks / "first-gone")
+        wait_for(marks / "first-gone", WAIT_S)
         refused = None
         if misfit_first:
             bad = make(
@@ -148,7 +133,7 @@ def restarted_server(port, marks, misfit_first, q):
         t0 = time.monotonic()
         conn.init()
         rejoin_s = time.monotonic() - t0
-        outcome = [_step(conn, 1, step) for step in range(STEPS)]
+        outcome = [checked_step(conn, 1, step, LAYERS) for step in range(STEPS)]
         (marks / "again-done").touch()
         conn.close()
         if hung := (marks / "first-gone").read_text():

@@ -9,13 +9,13 @@ Phases, each bounded in requests and time:
 2. restart attention server 1: it rejoins the running FFN server and serves the colocated
    tokens again; server 0 is served throughout. The recovery time is printed.
 3. `kill -9` the FFN server with a request in flight on each attention server: both fail
-   within the step timeout, none hangs.
+   within the step timeout, none hangs; both attention servers stay up, answer /health with
+   503, and fail new requests at once.
+4. restart the FFN server (same command): both attention servers, never restarted, are
+   served again (/health 200) and every request succeeds with the colocated tokens. The
+   recovery time is printed.
 
 Printed per phase: requests sent / succeeded / failed / hung per server.
-
-Not yet here (issue 20): after phase 3 the attention servers stop (their engine treats the
-lost FFN rank as fatal) instead of staying up, reporting not ready and serving again once
-an FFN server is back.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -91,6 +93,14 @@ class Client:
 def _kill(server: Server) -> None:
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(30)
+
+
+def _health(server: Server) -> int:
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def _long_request(client: Client) -> threading.Thread:
@@ -174,12 +184,46 @@ def test_lose_an_attention_server_then_the_ffn_server_under_load(checkpoints, lo
         for t in threads:
             t.join(REQUEST_TIMEOUT_S + 30)
         ended_in = time.monotonic() - killed
+        attention = [att0, restarted]
+        for server in attention:  # up, not ready, refusing at once
+            assert server.proc.poll() is None, server.log_tail(60)
+            assert _health(server) == 503, server.log_tail(60)
+        for c in (c0, c1):
+            c.run(2)
+        refused_in = max(c0.failed_in[-2:] + c1.failed_in[-2:])
         table["kill FFN"] = {"attention 0": c0.take(), "attention 1": c1.take()}
         for name, row in table["kill FFN"].items():
-            assert row == {"sent": 1, "failed": 1}, (table, name, c0.errors, c1.errors)
+            assert row == {"sent": 3, "failed": 3}, (table, name, c0.errors, c1.errors)
         assert ended_in < STEP_TIMEOUT_S, ended_in
+        assert refused_in < 5.0, (refused_in, c0.errors, c1.errors)
+
+        # phase 4: the FFN server restarted; the attention servers are served again
+        ffn_again = Server(ffn.spec, log_dir)
+        ffn_again.log_path = log_dir / f"{ffn.spec.name}-restarted.log"
+        servers.append(ffn_again)
+        started = time.monotonic()
+        ffn_again.start()
+        while not all(s.is_healthy() for s in [ffn_again, *attention]):
+            assert ffn_again.proc.poll() is None, ffn_again.log_tail(60)
+            for server in attention:
+                assert server.proc.poll() is None, server.log_tail(60)
+            assert time.monotonic() - started < 300, ffn_again.log_tail(60)
+            time.sleep(0.5)
+        ffn_recovery_s = time.monotonic() - started
+        for c in (c0, c1):
+            c.run(PHASE_REQUESTS)
+        table["restart FFN"] = {"attention 0": c0.take(), "attention 1": c1.take()}
+        for name, row in table["restart FFN"].items():
+            assert row == {"sent": PHASE_REQUESTS, "succeeded": PHASE_REQUESTS}, (
+                table,
+                name,
+                c0.errors,
+                c1.errors,
+            )
         print(f"\nrecovery of attention server 1 after its restart: {recovery_s:.1f} s")
         print(f"every request ended {ended_in:.1f} s after the FFN server was killed")
+        print(f"while no FFN server ran, requests were refused within {refused_in:.2f} s")
+        print(f"recovery of both attention servers after the FFN restart: {ffn_recovery_s:.1f} s")
         for phase, rows in table.items():
             for name, row in rows.items():
                 print(f"{phase:22s} {name}: {row}")

@@ -200,12 +200,16 @@ class AFDCollector:
             ),
             "peers_lost": CounterMetricFamily(
                 "afd_peers_lost",
-                "attention ranks dropped after their channel failed",
+                "peers lost after their channel failed (FFN: attention ranks; attention: "
+                "its FFN rank)",
                 labels=labels,
             ),  # fmt: skip
             "peers_rejoined": CounterMetricFamily(
-                "afd_peers_rejoined", "restarted attention ranks taken back", labels=labels
-            ),
+                "afd_peers_rejoined",
+                "peers back (FFN: restarted attention ranks taken back; attention: an FFN "
+                "rank serves it again)",
+                labels=labels,
+            ),  # fmt: skip
         }
         wait = HistogramMetricFamily(
             "afd_exchange_wait_seconds",
@@ -237,7 +241,21 @@ def _buckets(hist: dict) -> list[tuple[str, float]]:
     return out
 
 
-_registered = False
+_registered: AFDCollector | None = None
+
+
+def ffn_ranks_gone() -> list[str]:
+    """This server's attention ranks that no FFN rank serves now, as the snapshots on its
+    /metrics show them (afd_peer_up 0); [] in a process that registered no collector."""
+    if _registered is None:
+        return []
+    return [
+        f"attention rank {snap['rank']} has no FFN rank {peer}"
+        for snap in _registered._snapshots()
+        if snap.get("role") == "attention"
+        for peer, up in snap.get("peer_up", {}).items()
+        if not up
+    ]
 
 
 def register_collector() -> None:
@@ -245,12 +263,13 @@ def register_collector() -> None:
     snapshots on prometheus_client's default registry (the one vLLM's /metrics serves
     with a single API server)."""
     global _registered
-    if _registered:
+    if _registered is not None:
         return
     directory = ensure_metrics_dir()
     try:
         from prometheus_client import REGISTRY
     except ImportError:
         return
-    REGISTRY.register(AFDCollector(directory))
-    _registered = True
+    collector = AFDCollector(directory)
+    REGISTRY.register(collector)
+    _registered = collector

@@ -78,6 +78,7 @@ ALWAYS_NEEDED = (
     patch_step("config_validation"),  # maps worker class "auto" to the role worker
     patch_step("engine_core"),  # FFN server mode
     patch_step("step_failure"),  # a failed step fails its requests, not the engine
+    patch_step("health"),  # /health says not ready while no FFN rank serves the server
     STEP_DBO_YIELD_OP,  # the attention-side proxy calls it between send and receive
     STEP_MODELS,
     STEP_ASCEND_CONFIG,

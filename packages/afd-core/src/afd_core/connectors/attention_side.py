@@ -1,6 +1,7 @@
 """The attention side of a point-to-point step: announce it, exchange every layer of every
 micro-batch in the order the FFN rank expects, end it with the FFN rank's status, or
-finish a failed step in protocol with rows of zeros (`abort_step`).
+finish a failed step in protocol with rows of zeros (`abort_step`). A failed channel with
+the FFN rank goes to `_ffn_failure` (ffn_return.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class AttentionSide:
     def begin_step(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage:
         import torch
 
+        if self._ffn_lost is not None:  # fails at once while no FFN rank serves this one
+            self._count_step(failed=True)
+            raise self._ffn_lost_error()
         t = self._require("attention")
         if self._current is not None:
             raise AFDPeerError(
@@ -103,7 +107,7 @@ class AttentionSide:
             status = t.irecv_status(status_buf, 0)
             control = self._send_words(words)
         except TransportError as exc:
-            raise AFDPeerError(
+            raise self._ffn_failure(
                 f"{self._me()} could not start step {self._step} with {self._peer_name(0)}: {exc}"
             ) from None
         for rows in msg.tokens:
@@ -226,16 +230,17 @@ class AttentionSide:
         except (TransportError, StatusError):
             return None
 
-    def _exchange_error(self, step, layer, microbatch, exc) -> AFDPeerError:
+    def _exchange_error(self, step, layer, microbatch, exc) -> Exception:
         where = f"layer {layer} (micro-batch {microbatch}) of step {step.number}"
-        self._ffn_gone()
         status = self._ffn_status_now(step)
         if status is not None and status.code == StatusCode.ABORT:
-            return AFDPeerError(
+            return self._ffn_failure(
                 f"{self._me()}: {self._peer_name(0)} stopped the deployment during {where}: "
                 f"{status.reason}"
             )
-        return AFDPeerError(f"{self._me()} exchanging {where} with {self._peer_name(0)}: {exc}")
+        return self._ffn_failure(
+            f"{self._me()} exchanging {where} with {self._peer_name(0)}: {exc}"
+        )
 
     def end_step(self) -> None:
         """Finish the step in flight: every micro-batch exchanged every layer, and the FFN
@@ -266,7 +271,7 @@ class AttentionSide:
         self.metrics.publish()
 
     def _ffn_gone(self) -> None:
-        """This rank cannot go on with its FFN rank: its /metrics says so at once."""
+        """This rank is not served by its FFN rank: its /metrics says so at once."""
         self.metrics.set_peers([self.group], False)
         self.metrics.publish(now=True)
 
@@ -278,15 +283,13 @@ class AttentionSide:
             step.status.wait()
             status = decode_status(bytes(step.status_buf.numpy()), self.group)
         except TransportError as exc:
-            self._ffn_gone()
-            raise AFDPeerError(
+            raise self._ffn_failure(
                 f"{self._me()} waiting for {self._peer_name(0)} to end {where}: {exc}"
             ) from None
         except StatusError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         if status.code == StatusCode.ABORT:
-            self._ffn_gone()
-            raise AFDPeerError(
+            raise self._ffn_failure(
                 f"{self._me()}: {self._peer_name(0)} stopped the deployment at {where}: "
                 f"{status.reason}"
             )

@@ -35,6 +35,12 @@ class AFDStepError(RuntimeError):
     step's requests fail, the deployment goes on with the next step."""
 
 
+class AFDFFNLostError(AFDStepError):
+    """Attention side: this rank's FFN rank is gone (ffn_return.py). The step's requests
+    fail, and so does every step until an FFN rank serves this rank again; the server
+    stays up meanwhile."""
+
+
 @dataclass(frozen=True)
 class WireSpec:
     """What both sides must agree on; checked in the start-up handshake."""

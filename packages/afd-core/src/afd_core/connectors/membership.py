@@ -56,6 +56,7 @@ class StartupMembership:
             except AFDPeerError:
                 self._leave_failed_start_up(transport)
                 raise
+        self._formed = True
         self.metrics.set_peers(self._metric_peers(), True)
         self.metrics.publish(now=True)
         if self.config.is_ffn and self.fixed_receive_buffers:

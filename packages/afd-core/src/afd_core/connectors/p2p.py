@@ -17,10 +17,10 @@ the same order, so a channel that matches in issue order (NCCL) needs no tags. A
 failed on either side is finished in protocol (rows of zeros) so the next step starts in
 step; only a transport failure ends the deployment.
 
-The connector is one class over five modules, one job each: start-up membership
+The connector is one class over six modules, one job each: start-up membership
 (`membership.py`), a restarted attention server's return (`rejoin.py`), the attention side
-of a step (`attention_side.py`), how the FFN rank assembles a step (`ffn_assembly.py`) and
-its data path (`ffn_side.py`); the order both sides check is `order.py`, the tags
+of a step (`attention_side.py`) and its wait for a lost FFN rank (`ffn_return.py`), how the
+FFN rank assembles a step (`ffn_assembly.py`) and its data path (`ffn_side.py`); the order both sides check is `order.py`, the tags
 `data_tags.py`.
 """
 
@@ -42,6 +42,7 @@ from afd_core.connectors.control import (
 )
 from afd_core.connectors.data_tags import data_tag
 from afd_core.connectors.ffn_assembly import FFNStepAssembly
+from afd_core.connectors.ffn_return import AwaitingFFN, FFNReturnWatch
 from afd_core.connectors.ffn_side import FFNDataPath, PendingBatch
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.membership import StartupMembership
@@ -59,7 +60,13 @@ __all__ = ["Exchange", "PendingBatch", "PointToPointConnector", "data_tag"]
 
 
 class PointToPointConnector(
-    StartupMembership, Rejoining, AttentionSide, FFNStepAssembly, FFNDataPath, AFDConnector
+    StartupMembership,
+    Rejoining,
+    AttentionSide,
+    AwaitingFFN,
+    FFNStepAssembly,
+    FFNDataPath,
+    AFDConnector,
 ):
     def __init__(self, config, role_rank: int, wire: WireSpec):
         super().__init__(config, role_rank, wire)
@@ -78,6 +85,10 @@ class PointToPointConnector(
         self._closed = False
         self._step = 0  # attention: the next step's number; FFN: steps served
         self._current: _AttentionStep | None = None  # attention: the step in flight
+        self._formed = False  # init() connected this rank (a loss after it may be waited out)
+        self._ffn_lost: str | None = None  # attention: why no FFN rank serves this one now
+        self._ffn_lost_at = 0.0
+        self._ffn_watch: FFNReturnWatch | None = None
         # FFN side
         self._plan: StepPlan | None = None
         self._active_peers: list[bool] = [True] * len(self.peers)
@@ -161,6 +172,8 @@ class PointToPointConnector(
         return self._transport is not None and not self._closed
 
     def close(self) -> None:
+        if self._ffn_watch is not None:
+            self._ffn_watch.close()
         with self._lock:
             if self._closed or self._transport is None:
                 self._closed = True
@@ -194,6 +207,8 @@ class PointToPointConnector(
         return list(self.peers) if self.config.is_ffn else [self.group]
 
     def _require(self, role: str) -> Transport:
+        if self._ffn_lost is not None and not self._closed and role == "attention":
+            raise self._ffn_lost_error()
         if self._transport is None or self._closed:
             raise AFDPeerError(f"{self._me()}: connector is not initialized or already closed")
         if self.config.role != role:

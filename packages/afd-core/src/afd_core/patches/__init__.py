@@ -12,5 +12,6 @@ CORE_PATCHES = (
     "config_validation",
     "cpu_dp_collectives",
     "engine_core",
+    "health",
     "step_failure",
 )

@@ -138,6 +138,9 @@ class AttentionRole(_Role):
 
             model = runner.model = adopt(model)
         self._connect(model)
+        # over tensor parallelism the ranks of a step would not all fail it at one point
+        # (one could wait in vLLM's all-gather for another): a lost FFN rank stops the server
+        self.connector.ffn_loss_fatal = self.vllm_config.parallel_config.tensor_parallel_size > 1
         install_connector(self.connector)
         split = self._sequence_split()
         install_sequence_split(split)

@@ -1,0 +1,169 @@
+"""An attention rank outlives its FFN rank.
+
+When the FFN rank of a formed deployment is lost (its process died, hung past the step
+timeout, or stopped the deployment), an attention rank whose links fail alone
+(`survives_peer_loss`) does not stop its server. The step in flight and every later step
+fail at once with AFDFFNLostError, an AFDStepError: the engine fails their requests and
+goes on. `afd_peer_up` drops to 0 on /metrics, so /health answers 503 (patches/health.py).
+A thread (`FFNReturnWatch`) waits meanwhile for an FFN rank to serve this rank again:
+
+* a restarted FFN server holding FFN rank 0 opens a fresh store at the same host:port. The
+  rank joins that deployment's start-up (membership.py), as every surviving attention
+  server does; the FFN server's roll call waits for all of them;
+* the same FFN process still runs (it dropped this rank after a hang or a network fault):
+  the store says the deployment formed, and the rank rejoins as a restarted attention rank
+  does (rejoin.py).
+
+Either way the rank's steps count from 0 again on a fresh link. A restarted FFN rank other
+than 0, while FFN rank 0 runs, cannot come back (rejoin.py refuses it): the ranks it served
+fail their steps until the whole FFN side is restarted.
+
+The loss stays fatal (AFDPeerError, the server stops) where one communicator spans the
+group (NCCL, HCCL), before the deployment formed, and on an attention server with tensor
+parallelism (`ffn_loss_fatal`): its ranks would not all fail a step at the same point, and
+one could wait in vLLM's all-gather for a rank that left the step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from afd_core.connectors.base import AFDFFNLostError, AFDPeerError
+from afd_core.connectors.membership import FORMED_KEY
+from afd_core.connectors.rendezvous import _listening
+from afd_core.connectors.transport import TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
+
+RETRY_S = 1.0  # how often a rank without FFN rank looks for it
+
+
+class AwaitingFFN:
+    """PointToPointConnector's attention side without its FFN rank (a mixin: the
+    connector's state is its own)."""
+
+    # set by the attention role where a lost FFN rank must stop the server (see above)
+    ffn_loss_fatal = False
+
+    def _ffn_failure(self, message: str) -> Exception:
+        """The error for a failure of the channel with the FFN rank: AFDFFNLostError once
+        this rank waits for the FFN rank to come back, else AFDPeerError (fatal)."""
+        self._ffn_gone()
+        if self.ffn_loss_fatal or not self.survives_peer_loss or not self._formed:
+            return AFDPeerError(message)
+        with self._lock:
+            first = self._ffn_lost is None and not self._closed
+            if first:
+                self._ffn_lost = message
+                self._ffn_lost_at = time.monotonic()
+                old, self._transport = self._transport, None
+                in_flight, self._current = self._current, None
+        if first:
+            if in_flight is not None:
+                self._count_step(failed=True)
+            self.metrics.add("peers_lost")
+            self.metrics.publish(now=True)
+            logger.error(
+                "AFD %s: lost %s (%s); this server stays up, fails every step until an FFN "
+                "rank serves it again, and waits for one",
+                self._me(),
+                self._peer_name(0),
+                message,
+            )
+            self._ffn_watch = FFNReturnWatch(self, old)
+            self._ffn_watch.start()
+        return self._ffn_lost_error() if self._ffn_lost is not None else AFDPeerError(message)
+
+    def _ffn_lost_error(self) -> AFDFFNLostError:
+        since = time.monotonic() - self._ffn_lost_at
+        return AFDFFNLostError(
+            f"{self._me()}: {self._peer_name(0)} is gone ({since:.0f} s ago: {self._ffn_lost}); "
+            "the requests of every step fail until an FFN rank serves this rank again"
+        )
+
+    def _ffn_back(self, transport) -> bool:
+        """Watch thread: the FFN side serves this rank again on `transport`."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._transport = transport
+            self._step = 0  # the FFN rank counts this rank's steps from 0 on a fresh link
+            self._current = None
+            away = time.monotonic() - self._ffn_lost_at
+            self._ffn_lost = None
+        self.metrics.set_peers([self.group], True)
+        self.metrics.add("peers_rejoined")
+        self.metrics.publish(now=True)
+        logger.info(
+            "AFD %s: %s serves this rank again after %.1f s", self._me(), self._peer_name(0), away
+        )
+        return True
+
+    def _try_return(self) -> bool:
+        """One attempt to be served again; True once it is."""
+        if not _listening(self.config.host, self.config.port):
+            return False
+        transport = self.make_transport(self.group, self.group_rank, self.group_size)
+        deadline = time.monotonic() + self.config.extra().connect_timeout_s
+        try:
+            transport.open_store()
+            if transport.store_try_get(FORMED_KEY) is not None:
+                self._rejoin(transport, deadline)  # the same deployment still runs
+            else:
+                try:
+                    self._connect(transport, deadline)  # a restarted FFN rank 0's
+                except AFDPeerError:
+                    self._leave_failed_start_up(transport)
+                    raise
+        except (AFDPeerError, TransportError) as exc:
+            with self._lock:
+                self._transport = None  # _connect or _rejoin may have set it
+            transport.close()
+            self._ffn_watch.note_failure(str(exc))
+            return False
+        if not self._ffn_back(transport):
+            transport.close()
+        return True
+
+
+class FFNReturnWatch:
+    """Attention rank without its FFN rank: a thread that tries, every RETRY_S, to be
+    served again, until it is or the connector closes."""
+
+    def __init__(self, connector, old_transport):
+        self._connector = connector
+        self._old_transport = old_transport  # closed by the thread: closing may wait
+        self._stop = threading.Event()
+        self._last_failure = ""
+        self._thread = threading.Thread(
+            target=self._watch, name=f"afd-attention-{connector.role_rank}-ffn-return", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def note_failure(self, why: str) -> None:
+        if why != self._last_failure:  # one line per new reason, not one per attempt
+            logger.warning("AFD %s: not served again yet: %s", self._connector._me(), why)
+            self._last_failure = why
+
+    def _watch(self) -> None:
+        c = self._connector
+        if self._old_transport is not None:
+            try:  # also fails the other exchanges of the step in flight at once
+                self._old_transport.close()
+            except Exception:  # noqa: BLE001 - its peer is gone: nothing left to close
+                logger.debug("AFD %s: old transport not closed cleanly", c._me(), exc_info=True)
+            self._old_transport = None
+        while not self._stop.wait(RETRY_S) and not c._closed:
+            try:
+                if c._try_return():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug here must not end the wait
+                logger.exception("AFD %s: FFN return attempt failed", c._me())
+                self.note_failure(f"{type(exc).__name__}: {exc}")
