@@ -259,7 +259,7 @@ def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
                      "--tpot-ms", "1000", "--context", "64", "--max-devices", "4"]) == 0  # fmt: skip
 
 
-def test_dead_ffn_fails_the_request_at_once_and_names_the_peer(one_to_one):
+def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_to_one):
     """Last user of the deployment: it kills the FFN server mid-generation."""
     d = one_to_one
     set_m(d.att, 1)
@@ -284,11 +284,15 @@ def test_dead_ffn_fails_the_request_at_once_and_names_the_peer(one_to_one):
     print(f"request failed {elapsed:.2f} s after the FFN server was killed")
     # a dead peer closes its sockets: noticed at once, long before the step timeout
     assert elapsed < STEP_TIMEOUT_S / 2, elapsed
-    # the attention server reports the dead peer, then exits (its engine is dead)
-    d.att.proc.wait(timeout=60)
+    # the attention server names the lost peer and stays up, not ready, waiting for an FFN
+    # server (connectors/ffn_return.py; the restart is in tests/e2e/test_chaos.py)
+    deadline = time.monotonic() + 30
+    while d.att.health_status() != 503:
+        assert d.att.proc.poll() is None, d.att.log_tail(60)
+        assert time.monotonic() < deadline, d.att.log_tail(60)
+        time.sleep(0.5)
     log = d.att.log_path.read_text(errors="replace")
-    assert "AFDPeerError" in log and "FFN rank 0" in log, d.att.log_tail(60)
-    assert "closed the connection" in log, d.att.log_tail(60)
+    assert "lost FFN rank 0" in log and "closed the connection" in log, d.att.log_tail(60)
 
 
 # DeepSeek-V2: 2A1F. Qwen3-MoE: 2A2F, the FFN server's two data-parallel ranks running the

@@ -24,8 +24,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 
 import pytest
@@ -93,14 +91,6 @@ class Client:
 def _kill(server: Server) -> None:
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(30)
-
-
-def _health(server: Server) -> int:
-    try:
-        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def _long_request(client: Client) -> threading.Thread:
@@ -187,7 +177,7 @@ def test_lose_an_attention_server_then_the_ffn_server_under_load(checkpoints, lo
         attention = [att0, restarted]
         for server in attention:  # up, not ready, refusing at once
             assert server.proc.poll() is None, server.log_tail(60)
-            assert _health(server) == 503, server.log_tail(60)
+            assert server.health_status() == 503, server.log_tail(60)
         for c in (c0, c1):
             c.run(2)
         refused_in = max(c0.failed_in[-2:] + c1.failed_in[-2:])

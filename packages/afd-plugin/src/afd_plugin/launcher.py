@@ -211,6 +211,8 @@ class ServerError(RuntimeError):
 
 
 class Server:
+    base_env = BASE_ENV  # what every process gets (a local CPU server's defaults)
+
     def __init__(self, spec: ServerSpec, log_dir: Path):
         self.spec = spec
         self.log_path = Path(log_dir) / f"{spec.name}.log"
@@ -221,7 +223,7 @@ class Server:
         return f"http://127.0.0.1:{self.spec.port}"
 
     def start(self) -> Server:
-        env = {**os.environ, **BASE_ENV, **self.spec.env}
+        env = {**os.environ, **self.base_env, **self.spec.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
         self.proc = subprocess.Popen(
@@ -242,11 +244,17 @@ class Server:
             return ""
 
     def is_healthy(self) -> bool:
+        return self.health_status() == 200
+
+    def health_status(self) -> int | None:
+        """What /health answers (503: up but not ready), or None if nothing answers."""
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status == 200
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
         except (urllib.error.URLError, OSError):
-            return False
+            return None
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL what is left after timeout."""
