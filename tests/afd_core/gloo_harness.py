@@ -61,6 +61,7 @@ def make(
     layers=LAYERS,
     connect_timeout=30.0,
     start_rank=0,
+    host="127.0.0.1",
 ):
     from afd_core.config import parse_afd_config
     from afd_core.connectors.base import WireSpec
@@ -74,6 +75,7 @@ def make(
         {
             "connector": device_connector if device_type != "cpu" else "gloo",
             "role": role,
+            "host": host,
             "port": port,
             "num_attention_ranks": a,
             "num_ffn_ranks": f,

@@ -18,6 +18,11 @@ AFD_DEPLOYMENT_ROLE = "AFD_DEPLOYMENT_ROLE"
 # itself, or a file holding it. Never a command-line value (`ps` shows those).
 AFD_DEPLOYMENT_SECRET = "AFD_DEPLOYMENT_SECRET"
 AFD_DEPLOYMENT_SECRET_FILE = "AFD_DEPLOYMENT_SECRET_FILE"
+# The local address (or network interface) AFD's gloo channels bind to and announce; by
+# default the address this host reaches the rendezvous (afd.host) from
+# (connectors/channel_address.py).
+AFD_CHANNEL_ADDRESS = "AFD_CHANNEL_ADDRESS"
+AFD_CHANNEL_INTERFACE = "AFD_CHANNEL_INTERFACE"
 # vLLM's own variable that selects a MoE routing-simulation strategy.
 VLLM_MOE_ROUTING_SIMULATION_STRATEGY = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
@@ -29,6 +34,8 @@ ALL = {
     AFD_DEPLOYMENT_ROLE: "set by AFD at start-up (the role); a failing deferred patch then stops",
     AFD_DEPLOYMENT_SECRET: "the deployment secret (16+ bytes) the rendezvous requires",
     AFD_DEPLOYMENT_SECRET_FILE: "a file holding the deployment secret (instead of the value)",
+    AFD_CHANNEL_ADDRESS: "local address AFD's channels bind to (default: the one routed to afd.host)",
+    AFD_CHANNEL_INTERFACE: "network interface AFD's channels bind to (instead of an address)",
 }
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from afd_core.connectors.p2p import PointToPointConnector
 from afd_core.connectors.rendezvous import (
-    CONTROL_TIMEOUT,
     StoreTransport,
     abort_groups,
     gloo_group,
@@ -65,12 +64,22 @@ class GlooTransport(StoreTransport):
 
         prefix = f"{self._prefix}/link{member}/{incarnation}"
         me = 0 if self.group_rank == 0 else 1
-        ctrl = gloo_group(dist.PrefixStore(prefix + "/ctrl", self._store), me, 2, CONTROL_TIMEOUT)
+        # a group's own timeout bounds how long its pair tries to connect (gloo retries a
+        # refused connection that long, inside the first operation): the connect timeout
+        # here, not the control channel's 30 days (its idle receive passes those itself)
+        ctrl = gloo_group(
+            dist.PrefixStore(prefix + "/ctrl", self._store),
+            me,
+            2,
+            datetime.timedelta(seconds=self.connect_timeout_s),
+            self.channel_device(),  # a device per group (channel_address.py)
+        )
         data = gloo_group(
             dist.PrefixStore(prefix + "/data", self._store),
             me,
             2,
             datetime.timedelta(seconds=self.timeout_s),
+            self.channel_device(),
         )
         return Link(ctrl, data, 1 - me)
 
@@ -85,7 +94,10 @@ class GlooTransport(StoreTransport):
         self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
         link = self._links[peer]
         word = torch.zeros(1, dtype=torch.int64)
-        what = f"connecting AFD group {self.group}'s link with group rank {peer}"
+        what = (
+            f"connecting AFD group {self.group}'s link with group rank {peer} "
+            f"({self.channel_where()})"
+        )
         for group in (link.ctrl, link.data):
             ops = (group.recv, group.send) if self.group_rank == 0 else (group.send, group.recv)
             for op in ops:
@@ -134,6 +146,7 @@ class GlooTransport(StoreTransport):
             self.group_rank,
             self.group_size,
             datetime.timedelta(seconds=self.timeout_s),
+            self.channel_device(),
         )
 
     def close(self) -> None:

@@ -194,7 +194,8 @@ class StoreTransport(Transport):
             raise
         except Exception as exc:
             raise TransportError(
-                f"AFD group {self.group} ({self.group_size} ranks) could not connect: "
+                f"AFD group {self.group} ({self.group_size} ranks) could not connect "
+                f"({self.channel_where()}): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
 
@@ -241,7 +242,23 @@ class StoreTransport(Transport):
             self.group_rank,
             self.group_size,
             CONTROL_TIMEOUT,
+            self.channel_device(),
         )
+
+    def channel_device(self):
+        """The gloo device this process's AFD channels bind to (channel_address.py)."""
+        from afd_core.connectors.channel_address import channel_device
+
+        return channel_device(self.host)
+
+    def channel_where(self) -> str:
+        """For error messages: where this rank's channels are."""
+        from afd_core.connectors.channel_address import channel_choice, describe
+
+        try:
+            return f"this rank's channels at {describe(channel_choice(self.host))}"
+        except TransportError as exc:
+            return str(exc)
 
     def _ctrl_of(self, peer: int) -> tuple:
         """The control group that reaches group rank `peer`, and its rank there."""
@@ -300,8 +317,11 @@ class StoreTransport(Transport):
         )
 
     def irecv_control(self, tensor, peer: int) -> Handle:
+        # an idle deployment waits this long for the next step, whatever the group's timeout
         return self._handle(
-            lambda: _op(self._ctrl_of(peer), "recv", tensor, CONTROL_TAG), "control receive"
+            lambda: _op(self._ctrl_of(peer), "recv", tensor, CONTROL_TAG),
+            "control receive",
+            bound_s=CONTROL_TIMEOUT.total_seconds(),
         )
 
     def isend_status(self, tensor, peer: int) -> Handle:
@@ -339,19 +359,23 @@ def abort_groups(*groups) -> None:
 _lazy_lock = threading.Lock()
 
 
-def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta):
-    """A gloo process group whose pairs connect at their first operation, not all at once:
-    in an AFD group only the FFN rank talks to each attention peer, and a full mesh of 64
-    peers would hold about 2,000 connections per group for nothing. PyTorch reads its
-    switch (TORCH_GLOO_LAZY_INIT) from the environment when a group is built: set for AFD's
-    groups only, and put back."""
+def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, device):
+    """A gloo process group on `device` (channel_address.py: the address AFD's channels
+    bind to) whose pairs connect at their first operation, not all at once: in an AFD group
+    only the FFN rank talks to each attention peer, and a full mesh of 64 peers would hold
+    about 2,000 connections per group for nothing. PyTorch reads its switch
+    (TORCH_GLOO_LAZY_INIT) from the environment when a group is built, beside the device's
+    own flag: set for AFD's groups only, and put back."""
     import torch.distributed as dist
 
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [device]
+    options._timeout = timeout
     with _lazy_lock:
         before = os.environ.get(LAZY_INIT)
         os.environ[LAZY_INIT] = "1"
         try:
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
+            return dist.ProcessGroupGloo(store, rank, size, options)
         finally:
             if before is None:
                 os.environ.pop(LAZY_INIT, None)

@@ -1,0 +1,146 @@
+"""The gloo connector across hosts (network namespaces, tests/netns.py): an FFN rank on one
+host and an attention rank on each of two others, over a bridge. Each rank's channels bind
+to the address it reaches the rendezvous from (connectors/channel_address.py), so the steps
+are right and nothing of AFD listens anywhere else; a rank told to bind elsewhere fails
+with an error naming the address."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import pytest
+
+from tests.afd_core.gloo_harness import (
+    assert_no_errors,
+    checked_step,
+    free_port,
+    make,
+    run_processes,
+)
+from tests.netns import enter, hosts, listening
+
+pytestmark = pytest.mark.vllm  # needs torch
+
+STEPS = 5
+
+
+def ffn(ns, host, port, marks, q):
+    try:
+        enter(ns)
+        from afd_core.step.ffn import FFNStepServer
+
+        conn = make("ffn", 0, 2, 1, port, host=host)
+        conn.init()
+        (marks / "ffn-up").touch()
+        server = FFNStepServer(conn, [0, 1, 2], lambda layer, h, *_: h * 2 + layer)
+        server.serve(threading.Event())
+        conn.close()
+        q.put(("ffn", "served"))
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def attention(ns, rank, host, port, marks, channel_address, q):
+    try:
+        enter(ns)
+        import os
+
+        if channel_address:
+            os.environ["AFD_CHANNEL_ADDRESS"] = channel_address
+        conn = make("attention", rank, 2, 1, port, host=host, start_rank=rank, connect_timeout=15)
+        try:
+            conn.init()
+        except Exception as exc:  # noqa: BLE001 - the expected failure is the result
+            q.put((rank, f"FAILED {type(exc).__name__}: {exc}"))
+            return
+        outcome = [checked_step(conn, rank, step) for step in range(STEPS)]
+        (marks / f"stepped{rank}").touch()
+        deadline = time.monotonic() + 60
+        while not (marks / "checked").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # connected while the test looks at the sockets
+        conn.close()
+        q.put((rank, outcome))
+    except Exception:
+        q.put((rank, "ERROR " + traceback.format_exc()))
+
+
+def _wait(path, seconds=90):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.05)
+
+
+def test_three_hosts_serve_steps_and_listen_only_on_their_own_address(tmp_path):
+    with hosts(3) as (h_ffn, h_a0, h_a1):
+        port = free_port()
+        done = {}
+
+        def deploy():
+            done.update(
+                run_processes(
+                    [
+                        (ffn, h_ffn.name, h_ffn.address, port, tmp_path),
+                        (attention, h_a0.name, 0, h_ffn.address, port, tmp_path, None),
+                        (attention, h_a1.name, 1, h_ffn.address, port, tmp_path, None),
+                    ],
+                    timeout=120,
+                )
+            )
+
+        runner = threading.Thread(target=deploy)
+        runner.start()
+        try:
+            _wait(tmp_path / "stepped0")
+            _wait(tmp_path / "stepped1")
+            sockets = {h: listening(h.name) for h in (h_ffn, h_a0, h_a1)}
+        finally:
+            (tmp_path / "checked").touch()
+            runner.join(180)
+        assert_no_errors(done)
+        assert done[0] == [True] * STEPS and done[1] == [True] * STEPS
+        for h, addresses in sockets.items():
+            assert addresses, (h, "no AFD listener seen")
+            # the store (FFN host) and every gloo pair: on the host's own address only
+            assert all(a.rsplit(":", 1)[0] == h.address for a in addresses), (h, addresses)
+        assert f"{h_ffn.address}:{port}" in sockets[h_ffn]
+
+
+def test_a_rank_bound_to_an_address_its_peer_cannot_reach_fails_naming_it(tmp_path):
+    with hosts(2) as (h_ffn, h_a0):
+        port = free_port()
+        out = run_processes(
+            [
+                (ffn_alone, h_ffn.name, h_ffn.address, port),
+                (attention_alone, h_a0.name, h_ffn.address, port, "127.0.0.1"),
+            ],
+            timeout=120,
+        )
+        print(f"\nattention: {out['attention']}\nffn: {out['ffn']}")
+        assert "channels at 127.0.0.1" in out["attention"], out
+        assert "channels at " + h_ffn.address in out["ffn"], out
+
+
+def ffn_alone(ns, host, port, q):
+    enter(ns)
+    conn = make("ffn", 0, 1, 1, port, host=host, connect_timeout=10)
+    try:
+        conn.init()
+        q.put(("ffn", "connected"))
+    except Exception as exc:  # noqa: BLE001 - the expected failure is the result
+        q.put(("ffn", f"{type(exc).__name__}: {exc}"))
+
+
+def attention_alone(ns, host, port, channel_address, q):
+    import os
+
+    enter(ns)
+    os.environ["AFD_CHANNEL_ADDRESS"] = channel_address
+    conn = make("attention", 0, 1, 1, port, host=host, connect_timeout=10)
+    try:
+        conn.init()
+        q.put(("attention", "connected"))
+    except Exception as exc:  # noqa: BLE001 - the expected failure is the result
+        q.put(("attention", f"{type(exc).__name__}: {exc}"))
