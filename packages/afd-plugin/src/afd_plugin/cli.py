@@ -1,4 +1,4 @@
-"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`."""
+"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(
         sub.add_parser("bench", help="measure the connector and AFD vs colocated on this machine")
     )
+    from afd_plugin import deploy_launch
+
+    deploy_launch.add_arguments(
+        sub.add_parser("launch", help="start this host's servers of a deployment spec")
+    )
     return parser
 
 
@@ -46,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.bench import main as bench_main
 
         return bench_main(args)
+    if args.command == "launch":
+        from afd_plugin.deploy_launch import main as launch_main
+
+        return launch_main(args)
     return 2
 
 

@@ -1,0 +1,363 @@
+"""A deployment spec: one TOML file describing an AFD deployment across hosts.
+
+It names the model, the hosts (an address each), and the servers: each server's role, TP
+and DP size, its API port, and the hosts it runs on (one, or several for a data-parallel
+group across hosts: the first host is the head, with the API server; the others run
+headless, as with vLLM's --data-parallel-start-rank). AFD's rank numbers, each server's
+`start_rank` and the deployment's shape follow from the order of the servers; the
+rendezvous is FFN rank 0's host. Every bad field is named with its value and what is
+allowed (as the `afd` config is), before anything starts. `commands()` turns a spec into
+each host's `vllm serve` commands (afd_plugin.deploy_launch starts them).
+
+    model = "/models/Qwen3-30B-A3B"
+    platform = "cpu"                    # cpu | cuda | npu
+    rendezvous_port = 29650
+    secret_file = "/etc/afd/secret"     # optional: AFD_DEPLOYMENT_SECRET_FILE on every host
+
+    [hosts.a]
+    address = "10.0.0.1"
+    interface = "eth1"                  # optional: the interface of that address
+
+    [[servers]]
+    name = "ffn0"
+    role = "ffn"
+    port = 8100
+    hosts = ["a"]                       # one per data-parallel rank group, see below
+    ...
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+ROLES = ("attention", "ffn")
+
+
+class SpecError(ValueError):
+    """A deployment spec that cannot run; the message names the field and the value."""
+
+
+def _require_str(v: Any) -> Any:
+    if not isinstance(v, str):
+        raise ValueError("expected a string")
+    return v
+
+
+def _require_int(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("expected an integer")
+    return v
+
+
+Str = Annotated[str, BeforeValidator(_require_str)]
+Int = Annotated[int, BeforeValidator(_require_int)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HostSpec(_Strict):
+    address: Str = Field(min_length=1)
+    # the network interface holding `address`: vLLM's and AFD's groups bind to it
+    interface: Str | None = None
+
+
+class Placement(_Strict):
+    """`ranks` data-parallel ranks of a server on `host`."""
+
+    host: Str = Field(min_length=1)
+    ranks: Int = Field(default=1, ge=1)
+
+
+class ServerSpec(_Strict):
+    name: Str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    role: Literal["attention", "ffn"]
+    port: Int = Field(ge=1, le=65535)
+    tensor_parallel_size: Int = Field(default=1, ge=1)
+    # where the server's data-parallel ranks run: a host name (every rank there), or a
+    # list of {host, ranks} (the first is the head, the rest headless)
+    hosts: Str | list[Placement]
+    data_parallel_size: Int = Field(default=1, ge=1)
+    data_parallel_rpc_port: Int = Field(default=13345, ge=1, le=65535)
+    args: list[Str] = Field(default_factory=list)
+    env: dict[Str, Str] = Field(default_factory=dict)
+
+    def placements(self) -> list[Placement]:
+        if isinstance(self.hosts, str):
+            return [Placement(host=self.hosts, ranks=self.data_parallel_size)]
+        return list(self.hosts)
+
+
+class RoleDefaults(_Strict):
+    args: list[Str] = Field(default_factory=list)
+    env: dict[Str, Str] = Field(default_factory=dict)
+
+
+class DeploymentSpec(_Strict):
+    model: Str = Field(min_length=1)
+    platform: Literal["cpu", "cuda", "npu"] = "cpu"
+    rendezvous_port: Int = Field(default=29650, ge=1, le=65535)
+    secret_file: Str | None = None
+    served_model_name: Str | None = None
+    # the `afd` config keys every server shares (connector_extra_config, num_microbatches…)
+    afd: dict[Str, Any] = Field(default_factory=dict)
+    hosts: dict[Str, HostSpec]
+    servers: list[ServerSpec]
+    roles: dict[Literal["attention", "ffn"], RoleDefaults] = Field(default_factory=dict)
+
+
+FIELD_HELP = {
+    "model": "a model path or name, the same on every host",
+    "platform": "'cpu', 'cuda' or 'npu'",
+    "rendezvous_port": "1..65535 (FFN rank 0's host listens there)",
+    "secret_file": "a path to the deployment secret, the same on every host",
+    "hosts": "a table of host names, each with an address",
+    "servers": "a list of at least one attention and one FFN server",
+}
+
+# afd config keys the spec sets itself
+DERIVED_AFD_KEYS = ("role", "host", "port", "num_attention_ranks", "num_ffn_ranks", "start_rank")
+
+
+def _format(err: dict, raw: dict) -> SpecError:
+    where = ".".join(str(p) for p in err["loc"])
+    value: Any = raw
+    for part in err["loc"]:
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            value = err.get("input")
+            break
+    if err["type"] == "extra_forbidden":
+        known = list(_model_at(tuple(err["loc"][:-1])).model_fields)
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return SpecError(
+            f"deployment spec: unknown key {where!r}.{hint} Allowed: {', '.join(known)}"
+        )
+    if err["type"] == "missing":
+        top = str(err["loc"][0])
+        help_ = FIELD_HELP.get(top, "")
+        return SpecError(
+            f"deployment spec: {where} is missing" + (f"; allowed: {help_}" if help_ else "")
+        )
+    msg = err["msg"].removeprefix("Value error, ")
+    help_ = FIELD_HELP.get(where, "")
+    return SpecError(
+        f"deployment spec: {where}={value!r} is invalid: {msg}"
+        + (f"; allowed: {help_}" if help_ else "")
+    )
+
+
+def _model_at(loc: tuple) -> type[BaseModel]:
+    """The schema class at a location (for the list of allowed keys)."""
+    if not loc:
+        return DeploymentSpec
+    if loc[0] == "hosts":
+        return HostSpec
+    if loc[0] == "servers":
+        return Placement if "hosts" in loc[1:] else ServerSpec
+    if loc[0] == "roles":
+        return RoleDefaults
+    return DeploymentSpec
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One server of a checked spec, with what follows from the order of the servers."""
+
+    spec: ServerSpec
+    start_rank: int  # its role's rank of its first worker (attention) / DP rank (FFN)
+    placements: list[Placement]
+
+    @property
+    def ranks(self) -> int:
+        """AFD ranks it holds: attention DP x TP workers, or FFN DP ranks."""
+        dp = self.spec.data_parallel_size
+        return dp * self.spec.tensor_parallel_size if self.spec.role == "attention" else dp
+
+
+@dataclass(frozen=True)
+class Deployment:
+    spec: DeploymentSpec
+    servers: list[ServerPlan]
+    num_attention_ranks: int
+    num_ffn_ranks: int
+    rendezvous_host: str  # the host name of FFN rank 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rendezvous_address(self) -> str:
+        return self.spec.hosts[self.rendezvous_host].address
+
+
+def load_spec(path: str | Path) -> Deployment:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise SpecError(f"deployment spec {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"deployment spec {path}: not valid TOML ({exc})") from None
+    return check_spec(raw)
+
+
+def check_spec(raw: dict) -> Deployment:
+    try:
+        spec = DeploymentSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise _format(exc.errors()[0], raw) from None
+    names = [s.name for s in spec.servers]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise SpecError(f"deployment spec: servers[{i}].name={name!r} is used twice")
+    for role in ROLES:
+        if not any(s.role == role for s in spec.servers):
+            raise SpecError(
+                f"deployment spec: servers has no {role} server; allowed: {FIELD_HELP['servers']}"
+            )
+    for key in spec.afd:
+        if key in DERIVED_AFD_KEYS:
+            raise SpecError(
+                f"deployment spec: afd.{key} is set by the spec itself (from the servers "
+                f"and hosts); allowed in [afd]: the other afd config keys"
+            )
+    used: dict[tuple[str, int], str] = {}
+    plans, next_rank = [], {"attention": 0, "ffn": 0}
+    for i, s in enumerate(spec.servers):
+        where = f"servers[{i}] ({s.name})"
+        placements = s.placements()
+        if sum(p.ranks for p in placements) != s.data_parallel_size:
+            raise SpecError(
+                f"deployment spec: {where}.hosts place {sum(p.ranks for p in placements)} "
+                f"data-parallel rank(s) but data_parallel_size={s.data_parallel_size}; "
+                "allowed: ranks that add up to data_parallel_size"
+            )
+        if s.role == "ffn" and s.data_parallel_size > 1 and s.tensor_parallel_size > 1:
+            raise SpecError(
+                f"deployment spec: {where} has data_parallel_size={s.data_parallel_size} and "
+                f"tensor_parallel_size={s.tensor_parallel_size}; allowed on an FFN server: "
+                "one of them above 1"
+            )
+        for p in placements:
+            if p.host not in spec.hosts:
+                raise SpecError(
+                    f"deployment spec: {where}.hosts names host {p.host!r}, which is not in "
+                    f"[hosts]; allowed: {', '.join(sorted(spec.hosts))}"
+                )
+        if len({p.host for p in placements}) != len(placements):
+            raise SpecError(f"deployment spec: {where}.hosts names a host twice")
+        head = placements[0].host
+        ports = [("API port", s.port, head)]
+        if len(placements) > 1:
+            ports.append(("data_parallel_rpc_port", s.data_parallel_rpc_port, head))
+        for what, port, host in ports:
+            if (host, port) in used:
+                raise SpecError(
+                    f"deployment spec: {where} {what} {port} on host {host!r} is taken by "
+                    f"{used[(host, port)]}; allowed: a port no other server uses on that host"
+                )
+            used[(host, port)] = f"{s.name} ({what})"
+        plan = ServerPlan(s, next_rank[s.role], placements)
+        next_rank[s.role] += plan.ranks
+        plans.append(plan)
+    ffn0 = next(p for p in plans if p.spec.role == "ffn")
+    rendezvous_host = ffn0.placements[0].host
+    if (rendezvous_host, spec.rendezvous_port) in used:
+        raise SpecError(
+            f"deployment spec: rendezvous_port={spec.rendezvous_port} on host "
+            f"{rendezvous_host!r} (FFN rank 0's) is taken by {used[(rendezvous_host, spec.rendezvous_port)]}"
+        )
+    a, f = next_rank["attention"], next_rank["ffn"]
+    if a < f or a % f:
+        raise SpecError(
+            f"deployment spec: the servers hold {a} attention rank(s) and {f} FFN rank(s); "
+            "allowed: attention ranks a multiple of FFN ranks (each FFN rank serves "
+            "attention ranks / FFN ranks of them)"
+        )
+    return Deployment(spec, plans, a, f, rendezvous_host)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostCommand:
+    """One process to start on a host: a server's head (API) or headless part."""
+
+    host: str
+    server: str
+    argv: list[str]
+    env: dict[str, str]
+    api_port: int | None  # where its /health answers (the head), None for a headless part
+
+
+def afd_config(d: Deployment, plan: ServerPlan) -> dict:
+    return {
+        **d.spec.afd,
+        "role": plan.spec.role,
+        "host": d.rendezvous_address,
+        "port": d.spec.rendezvous_port,
+        "num_attention_ranks": d.num_attention_ranks,
+        "num_ffn_ranks": d.num_ffn_ranks,
+        "start_rank": plan.start_rank,
+    }
+
+
+def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
+    """Every process of the deployment, FFN servers first (FFN rank 0 holds the
+    rendezvous). `serve`: how to run `vllm serve` here (e.g. ["vllm", "serve"])."""
+    out = []
+    order = sorted(d.servers, key=lambda p: p.spec.role != "ffn")
+    for plan in order:
+        s = plan.spec
+        role = d.spec.roles.get(s.role, RoleDefaults())
+        head = d.spec.hosts[plan.placements[0].host]
+        base = [*serve, d.spec.model]
+        if d.spec.served_model_name:
+            base += ["--served-model-name", d.spec.served_model_name]
+        if s.tensor_parallel_size > 1:
+            base += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+        if d.spec.platform == "cpu":
+            base += ["--enforce-eager"]  # vLLM's CPU graphs are not AFD steps (docs/cpu.md)
+        afd = json.dumps({"afd": afd_config(d, plan)}, separators=(",", ":"))
+        base += ["--additional-config", afd]
+        first = 0
+        for k, p in enumerate(plan.placements):
+            host = d.spec.hosts[p.host]
+            argv = list(base)
+            if s.data_parallel_size > 1:
+                argv += ["--data-parallel-size", str(s.data_parallel_size)]
+                if len(plan.placements) > 1:
+                    argv += [
+                        "--data-parallel-size-local", str(p.ranks),
+                        "--data-parallel-address", head.address,
+                        "--data-parallel-rpc-port", str(s.data_parallel_rpc_port),
+                    ]  # fmt: skip
+            if k == 0:
+                argv += ["--host", host.address, "--port", str(s.port)]
+            else:
+                argv += ["--headless", "--data-parallel-start-rank", str(first)]
+            first += p.ranks
+            argv += [*role.args, *s.args]
+            env = {"VLLM_HOST_IP": host.address}
+            if host.interface:
+                env |= {
+                    "GLOO_SOCKET_IFNAME": host.interface,
+                    "AFD_CHANNEL_INTERFACE": host.interface,
+                }
+                if d.spec.platform == "cuda":
+                    env["NCCL_SOCKET_IFNAME"] = host.interface
+            if d.spec.secret_file:
+                env["AFD_DEPLOYMENT_SECRET_FILE"] = d.spec.secret_file
+            env |= {**role.env, **s.env}
+            out.append(HostCommand(p.host, s.name, argv, env, s.port if k == 0 else None))
+    return out
