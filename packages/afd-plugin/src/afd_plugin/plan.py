@@ -35,6 +35,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=8, help="shapes to list (default 8)")
     p.add_argument("--weight-bytes", type=float, help="bytes per weight (override the config)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--write-spec",
+        metavar="FILE",
+        help="write the best shape as a deployment spec for `afd launch` (needs --host)",
+    )
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS:DEVICES",
+        help="a host for --write-spec (repeat; filled in order, FFN ranks first)",
+    )
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "cuda", "npu"),
+        help="the spec's platform (default: from --hardware: cpu, npu for ascend, else cuda)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -60,7 +77,38 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(render(result, hw))
+    if args.write_spec:
+        written = _write_spec(args, result)
+        if written != 0:
+            return written
     return 0 if result.slo_met else EXIT_SLO_UNMET
+
+
+def _write_spec(args: argparse.Namespace, result) -> int:
+    from pathlib import Path
+
+    from afd_plugin.deploy_spec import SpecError
+    from afd_plugin.plan_spec import write_spec
+
+    if not result.candidates:
+        print("afd plan: no AFD shape meets the target: no spec written", file=sys.stderr)
+        return EXIT_SLO_UNMET
+    hardware = args.hardware
+    platform = args.platform or (
+        "cpu" if hardware == "cpu" else "npu" if hardware.startswith("ascend") else "cuda"
+    )
+    try:
+        shape = write_spec(
+            result.candidates, args.model, args.host, platform, Path(args.write_spec)
+        )
+    except SpecError as exc:
+        print(f"afd plan: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"afd plan: cannot write {args.write_spec}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"\nwrote {args.write_spec} with {shape}: afd launch {args.write_spec} --print")
+    return 0
 
 
 def render(result, hw) -> str:
