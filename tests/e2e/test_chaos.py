@@ -43,7 +43,7 @@ ARCH = "qwen3_moe"
 STEP_TIMEOUT_S = 10  # connector timeout_s
 REQUEST_TIMEOUT_S = 90  # a request without an answer by then counts as hung
 PHASE_REQUESTS = 6  # requests per server and phase (bounded load)
-LONG_TOKENS = 400  # about 10 s of generation here: in flight when the kill comes
+LONG_TOKENS = 480  # several seconds of generation here: in flight when the kill comes
 
 
 class Client:
@@ -121,10 +121,14 @@ def test_lose_an_attention_server_then_the_ffn_server_under_load(checkpoints, lo
         c0, c1 = Client(att0, ref), Client(att1, ref)
 
         # phase 1: server 1 killed in the middle of a request, server 0 under load
+        # (killed a fixed time after its long request started: a kill after some of
+        # server 0's requests came too late once, on a less loaded machine)
         t1 = _long_request(c1)
-        c0.run(2)
+        load = threading.Thread(target=c0.run, args=(PHASE_REQUESTS,), daemon=True)
+        load.start()
+        time.sleep(1.0)  # both in flight; server 1's request has seconds to go
         _kill(att1)
-        c0.run(PHASE_REQUESTS - 2)
+        load.join(REQUEST_TIMEOUT_S * PHASE_REQUESTS)
         t1.join(REQUEST_TIMEOUT_S + 30)
         c1.run(1)  # server 1 is gone: refused at once
         table["kill attention 1"] = {"attention 0": c0.take(), "attention 1": c1.take()}
@@ -168,7 +172,7 @@ def test_lose_an_attention_server_then_the_ffn_server_under_load(checkpoints, lo
 
         # phase 3: the FFN server killed with requests in flight on both servers
         threads = [_long_request(c) for c in (c0, c1)]
-        time.sleep(2.0)
+        time.sleep(1.0)
         killed = time.monotonic()
         _kill(ffn)
         for t in threads:
