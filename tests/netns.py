@@ -95,7 +95,19 @@ def enter(namespace: str) -> None:
 
 def listening(namespace: str) -> list[str]:
     """The local addresses (host:port) of every listening TCP socket in a namespace."""
+    return [address for address, _ in listeners(namespace)]
+
+
+def listeners(namespace: str) -> list[tuple[str, str]]:
+    """(host:port, the owning process's name) of every listening TCP socket there."""
     out = subprocess.run(
-        ["ip", "netns", "exec", namespace, "ss", "-Hltn"], capture_output=True, text=True
+        ["ip", "netns", "exec", namespace, "ss", "-Hltnp"], capture_output=True, text=True
     )
-    return [line.split()[3] for line in out.stdout.splitlines() if line.strip()]
+    found = []
+    for line in out.stdout.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split()
+        owner = line.split('(("', 1)[1].split('"', 1)[0] if '(("' in line else "?"
+        found.append((fields[3], owner))
+    return found

@@ -1,13 +1,15 @@
 """AFD across hosts, end to end: three hosts (network namespaces on one bridge,
 tests/netns.py), each running its part of one deployment spec with `afd launch SPEC --host
-NAME`: 2A1F, the attention server's data-parallel group across two hosts (head with the API
-server, the other headless: vLLM's multi-node flags) and the FFN server on the third.
-Greedy tokens identical to the colocated server's."""
+NAME`: 2A1F with the attention server's data-parallel group across two hosts (head with
+the API server, the other headless: vLLM's multi-node flags) and the FFN server on the
+third; 2A2F with the FFN server's expert group (two FFN ranks) across two hosts. Greedy
+tokens identical to the colocated server's."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 
 from afd_plugin.launcher import BASE_ENV, SHARED_CORES, Completion, running
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
-from tests.netns import hosts, listening
+from tests.netns import hosts, listeners
 
 pytestmark = pytest.mark.e2e
 
@@ -44,29 +46,13 @@ except Exception as exc:
 """
 
 
-def _spec(model: str, f, a0, a1) -> str:
-    toml_list = json.dumps(ARGS)
-    env = "{ " + ", ".join(f'{k} = "{v}"' for k, v in ENV.items()) + " }"
-    return f"""
-model = "{model}"
-served_model_name = "tiny"
-rendezvous_port = 29650
-
-[afd]
-connector_extra_config = {{ connect_timeout_s = {START_S} }}
-
-[hosts.f]
-address = "{f.address}"
-interface = "eth0"
-
-[hosts.a0]
-address = "{a0.address}"
-interface = "eth0"
-
-[hosts.a1]
-address = "{a1.address}"
-interface = "eth0"
-
+# layout -> (host names, the servers' TOML; the first host holds FFN rank 0, the client
+# talks to the attention server's head on `API_HOST`)
+LAYOUTS = {
+    # the attention server's data-parallel group across two hosts, the FFN on a third
+    "2a1f-attention-dp-across-hosts": (
+        ("f", "a0", "a1"),
+        """
 [[servers]]
 name = "ffn0"
 role = "ffn"
@@ -78,8 +64,48 @@ name = "attention0"
 role = "attention"
 port = 8000
 data_parallel_size = 2
-hosts = [{{ host = "a0", ranks = 1 }}, {{ host = "a1", ranks = 1 }}]
+hosts = [{ host = "a0", ranks = 1 }, { host = "a1", ranks = 1 }]
+""",
+    ),
+    # the FFN server's expert group (two FFN ranks) across two hosts
+    "2a2f-ffn-expert-group-across-hosts": (
+        ("f0", "f1", "a0"),
+        """
+[[servers]]
+name = "ffn0"
+role = "ffn"
+port = 8100
+data_parallel_size = 2
+hosts = [{ host = "f0", ranks = 1 }, { host = "f1", ranks = 1 }]
 
+[[servers]]
+name = "attention0"
+role = "attention"
+port = 8000
+data_parallel_size = 2
+hosts = "a0"
+""",
+    ),
+}
+API_HOST = "a0"
+
+
+def _spec(model: str, layout: str, machines) -> str:
+    names, servers = LAYOUTS[layout]
+    toml_list = json.dumps(ARGS)
+    env = "{ " + ", ".join(f'{k} = "{v}"' for k, v in ENV.items()) + " }"
+    hosts_toml = "".join(
+        f'\n[hosts.{name}]\naddress = "{m.address}"\ninterface = "eth0"\n'
+        for name, m in zip(names, machines, strict=True)
+    )
+    return f"""
+model = "{model}"
+served_model_name = "tiny"
+rendezvous_port = 29650
+
+[afd]
+connector_extra_config = {{ connect_timeout_s = {START_S} }}
+{hosts_toml}{servers}
 [roles.attention]
 args = {toml_list}
 env = {env}
@@ -101,43 +127,45 @@ def _in(host, *argv: str, timeout: float = 300) -> str:
     return out.stdout.strip()
 
 
-def test_2a1f_on_three_hosts_with_afd_launch_gives_the_colocated_tokens(
-    checkpoints, log_dir, tmp_path
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
+    layout, checkpoints, log_dir, tmp_path
 ):
     model = str(checkpoints(ARCH))
     colocated = with_reference(ARCH, model, log_dir, [])
-    with hosts(3, tag="afdmh") as (f, a0, a1), running(colocated, timeout=600):
+    names = LAYOUTS[layout][0]
+    with hosts(3, tag="afdmh") as machines, running(colocated, timeout=600):
+        by_name = dict(zip(names, machines, strict=True))
         spec = tmp_path / "deploy.toml"
-        spec.write_text(_spec(model, f, a0, a1))
+        spec.write_text(_spec(model, layout, machines))
         launchers = []
         try:
-            for host, name in ((f, "f"), (a0, "a0"), (a1, "a1")):
+            for name, host in by_name.items():
                 log = open(tmp_path / f"launch-{name}.log", "wb")  # noqa: SIM115 - the child's
                 launchers.append(
                     subprocess.Popen(
                         ["ip", "netns", "exec", host.name, sys.executable, "-m",
                          "afd_plugin.cli", "launch", str(spec), "--host", name,
-                         "--log-dir", str(log_dir / f"multi-host-{name}"),
+                         "--log-dir", str(log_dir / f"{layout}-{name}"),
                          "--timeout", str(START_S)],
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     )
                 )  # fmt: skip
                 log.close()
-            url = f"http://{a0.address}:8000"
+            api = by_name[API_HOST]
+            url = f"http://{api.address}:8000"
             started = time.monotonic()
-            while _in(a0, "-c", HEALTH, url) != "200":
-                for p, name in zip(launchers, ("f", "a0", "a1"), strict=True):
+            while _in(api, "-c", HEALTH, url) != "200":
+                for p, name in zip(launchers, names, strict=True):
                     assert p.poll() is None, (tmp_path / f"launch-{name}.log").read_text()[-3000:]
                 assert time.monotonic() - started < START_S, "not healthy in time"
                 time.sleep(2)
-            print(f"\nthree hosts healthy after {time.monotonic() - started:.0f} s")
-            got = [
-                Completion(*row)
-                for row in json.loads(
-                    _in(a0, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS))
-                )
-            ]
-            sockets = {h.name: listening(h.name) for h in (f, a1)}
+            print(f"\n{layout}: three hosts healthy after {time.monotonic() - started:.0f} s")
+            rows = json.loads(_in(api, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
+            got = [Completion(*row) for row in rows]
+            # hosts running no API server: only AFD and vLLM's workers listen there
+            quiet = [m for n, m in by_name.items() if n != API_HOST]
+            sockets = {m.name: listeners(m.name) for m in quiet}
         finally:
             for p in launchers:  # Ctrl-C: each launcher stops what it started
                 try:
@@ -150,8 +178,20 @@ def test_2a1f_on_three_hosts_with_afd_launch_gives_the_colocated_tokens(
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
         assert_same(reference(ARCH, colocated), got)
-        # the FFN host and the headless host: every listener on the host's own address
-        for host in (f, a1):
-            assert all(a.startswith(host.address + ":") for a in sockets[host.name]), sockets
-        assert f"{f.address}:29650" in sockets[f.name]
+        # every listener on the host's own address, but vLLM's own torch.distributed store
+        # (`distributed_init_method=tcp://...`, which torch's TCPStore serves on every
+        # interface): its port is in vLLM's log
+        vllm_ports = {
+            m.group(1)
+            for log in log_dir.glob(f"{layout}-*/*.log")
+            for m in re.finditer(r"distributed_init_method=tcp://[^:\s]+:(\d+)", log.read_text())
+        }
+        elsewhere = {
+            m.name: [(a, who) for a, who in sockets[m.name] if not a.startswith(m.address + ":")]
+            for m in quiet
+        }
+        print(f"{layout}: listeners not on their host's address: {elsewhere}; vLLM's: {vllm_ports}")
+        for m in quiet:
+            assert all(a.rsplit(":", 1)[1] in vllm_ports for a, _ in elsewhere[m.name]), sockets
+        assert f"{machines[0].address}:29650" in [a for a, _ in sockets[machines[0].name]]
         assert [p.returncode for p in launchers] == [130, 130, 130]
