@@ -37,17 +37,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-ROLES = ("attention", "ffn")
+from afd_core.config import ROLES, Str  # the afd config's roles and string rule
 
 
 class SpecError(ValueError):
     """A deployment spec that cannot run; the message names the field and the value."""
-
-
-def _require_str(v: Any) -> Any:
-    if not isinstance(v, str):
-        raise ValueError("expected a string")
-    return v
 
 
 def _require_int(v: Any) -> Any:
@@ -56,7 +50,8 @@ def _require_int(v: Any) -> Any:
     return v
 
 
-Str = Annotated[str, BeforeValidator(_require_str)]
+# TOML integers only (the afd config's Int also takes digit strings, for JSON on a command
+# line; a spec has typed values)
 Int = Annotated[int, BeforeValidator(_require_int)]
 
 

@@ -52,11 +52,12 @@ def describe(choice: tuple[str, str]) -> str:
     return f"interface {value}" if kind == "interface" else value
 
 
-def channel_device(rendezvous_host: str):
-    """A gloo device for one AFD group (its pairs connect on first use)."""
+def channel_device(choice: tuple[str, str]):
+    """A gloo device for one AFD group on `choice` (channel_choice; its pairs connect on
+    first use)."""
     import torch.distributed as dist
 
-    kind, value = choice = channel_choice(rendezvous_host)
+    kind, value = choice
     try:
         return dist.ProcessGroupGloo.create_device(
             **{"interface" if kind == "interface" else "hostname": value}, lazy_init=True

@@ -20,8 +20,8 @@ step; only a transport failure ends the deployment.
 The connector is one class over six modules, one job each: start-up membership
 (`membership.py`), a restarted attention server's return (`rejoin.py`), the attention side
 of a step (`attention_side.py`) and its wait for a lost FFN rank (`ffn_return.py`), how the
-FFN rank assembles a step (`ffn_assembly.py`) and its data path (`ffn_side.py`); the order both sides check is `order.py`, the tags
-`data_tags.py`.
+FFN rank assembles a step (`ffn_assembly.py`) and its data path (`ffn_side.py`); the order
+both sides check is `order.py`, the tags `data_tags.py`.
 """
 
 from __future__ import annotations

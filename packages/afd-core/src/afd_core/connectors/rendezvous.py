@@ -53,6 +53,7 @@ class StoreTransport(Transport):
         self._ctrl = None
         self._deadline = None
         self._door = None
+        self._channel: tuple[str, str] | None = None  # where the channels bind, chosen once
 
     def open_store(self) -> None:
         import torch.distributed as dist
@@ -245,18 +246,27 @@ class StoreTransport(Transport):
             self.channel_device(),
         )
 
+    def _channel_choice(self) -> tuple[str, str]:
+        """Where this transport's channels bind (channel_address.py), chosen at its first
+        group and kept: every link of an FFN rank binds to the same address."""
+        from afd_core.connectors.channel_address import channel_choice
+
+        if self._channel is None:
+            self._channel = channel_choice(self.host)
+        return self._channel
+
     def channel_device(self):
-        """The gloo device this process's AFD channels bind to (channel_address.py)."""
+        """A gloo device for one of this transport's groups, on its channel address."""
         from afd_core.connectors.channel_address import channel_device
 
-        return channel_device(self.host)
+        return channel_device(self._channel_choice())
 
     def channel_where(self) -> str:
         """For error messages: where this rank's channels are."""
-        from afd_core.connectors.channel_address import channel_choice, describe
+        from afd_core.connectors.channel_address import describe
 
         try:
-            return f"this rank's channels at {describe(channel_choice(self.host))}"
+            return f"this rank's channels at {describe(self._channel_choice())}"
         except TransportError as exc:
             return str(exc)
 
