@@ -16,4 +16,4 @@ wheels=${TORCH_CPU_WHEELS:-${PIP_FIND_LINKS:-}}
 if [ -n "$wheels" ] && [ -d "$wheels" ] && torch_req=$(python3 tools/torch_preseed.py "$wheels" 2>/dev/null); then
   uv pip install -q --python .venv/bin/python --no-deps --find-links "$wheels" "$torch_req" >&2
 fi
-uv sync -q --locked --extra cpu --extra bench --group dev >&2
+uv sync -q --locked --extra cpu --extra bench --extra ray --group dev >&2
