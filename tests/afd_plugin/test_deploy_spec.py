@@ -139,3 +139,38 @@ def test_afd_launch_refuses_a_bad_spec_or_host_before_starting_anything(tmp_path
     assert not any(tmp_path.glob("*.log"))
     raw = copy.deepcopy(example())
     assert check_spec(raw)  # the example itself is valid
+
+
+@pytest.mark.parametrize(
+    "platform, args, expected",
+    [
+        ("cpu", [], ["--enforce-eager"]),
+        ("npu", [], ["--enforce-eager"]),  # ACL graphs are rejected (docs/ascend.md)
+        ("cuda", [], ["--compilation-config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}']),
+        ("cuda", ["--enforce_eager"], []),  # the args choose (vLLM reads `_` as `-`)
+        ("cuda", ["-O0"], []),
+        ("cuda", ["--compilation-config={}"], []),
+    ],
+)
+def test_each_platform_runs_with_graph_flags_afd_takes_unless_the_args_choose(
+    platform, args, expected
+):
+    raw = example()
+    raw["platform"] = platform
+    raw["roles"]["ffn"]["args"] = args
+    ffn = commands(check_spec(raw), ["vllm", "serve"])[0].argv
+    graph = [a for a in ffn if a in ("--enforce-eager", "--compilation-config")]
+    if expected:
+        i = ffn.index(expected[0])
+        assert ffn[i : i + len(expected)] == expected and graph == expected[:1]
+    else:
+        assert graph == [] and ffn[-len(args) :] == args
+
+
+def test_the_collective_libraries_bind_each_hosts_address_or_interface():
+    raw = example()
+    raw["platform"] = "cuda"
+    assert commands(check_spec(raw), [])[1].env["NCCL_SOCKET_IFNAME"] == "eth0"
+    raw["platform"] = "npu"
+    env = commands(check_spec(raw), [])[2].env
+    assert env["HCCL_IF_IP"] == "198.18.7.3" and "NCCL_SOCKET_IFNAME" not in env

@@ -92,11 +92,17 @@ API_HOST = "a0"
 
 def _spec(model: str, layout: str, machines) -> str:
     names, servers = LAYOUTS[layout]
+    return spec_text(model, dict(zip(names, machines, strict=True)), servers)
+
+
+def spec_text(model: str, machines: dict, servers: str) -> str:
+    """A spec of these hosts (name -> tests.netns.Host) and servers (TOML), every server
+    with this module's args and environment."""
     toml_list = json.dumps(ARGS)
     env = "{ " + ", ".join(f'{k} = "{v}"' for k, v in ENV.items()) + " }"
     hosts_toml = "".join(
         f'\n[hosts.{name}]\naddress = "{m.address}"\ninterface = "eth0"\n'
-        for name, m in zip(names, machines, strict=True)
+        for name, m in machines.items()
     )
     return f"""
 model = "{model}"

@@ -1,4 +1,5 @@
-"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`."""
+"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`,
+`afd ray`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_launch.add_arguments(
         sub.add_parser("launch", help="start this host's servers of a deployment spec")
     )
+    from afd_plugin import deploy_ray
+
+    deploy_ray.add_arguments(
+        sub.add_parser("ray", help="run a deployment spec on a Ray cluster (afd-plugin[ray])")
+    )
     return parser
 
 
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.deploy_launch import main as launch_main
 
         return launch_main(args)
+    if args.command == "ray":
+        from afd_plugin.deploy_ray import main as ray_main
+
+        return ray_main(args)
     return 2
 
 

@@ -113,8 +113,15 @@ def main(args) -> int:
         return 2
     for p in procs:
         print(f"starting {p.spec.name}: log {p.log_path}", flush=True)
+    return serve(procs, args.timeout)
+
+
+def serve(procs: list, timeout: float) -> int:
+    """Start the processes, print progress until every API server is healthy, then watch
+    them until Ctrl-C (130) or one ends (1); always stop all of them. `procs`: launcher
+    Servers, or anything with their start/stop/proc.poll/is_healthy/log_tail."""
     try:
-        with running(procs, timeout=args.timeout, progress=lambda m: print(m, flush=True)):
+        with running(procs, timeout=timeout, progress=lambda m: print(m, flush=True)):
             for p in procs:
                 if p.spec.port is not None:
                     print(f"{p.spec.name} serves at {p.url}", flush=True)

@@ -94,6 +94,9 @@ class ServerSpec(_Strict):
 class RoleDefaults(_Strict):
     args: list[Str] = Field(default_factory=list)
     env: dict[Str, Str] = Field(default_factory=dict)
+    # Ray resources of one process of the role (afd ray): CPU defaults to 1, GPU (cuda) /
+    # NPU (npu) to the process's TP x local DP ranks
+    ray_resources: dict[Str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
 class DeploymentSpec(_Strict):
@@ -293,6 +296,8 @@ class HostCommand:
     argv: list[str]
     env: dict[str, str]
     api_port: int | None  # where its /health answers (the head), None for a headless part
+    role: str
+    devices: int  # accelerators it drives: TP x its data-parallel ranks
 
 
 def afd_config(d: Deployment, plan: ServerPlan) -> dict:
@@ -305,6 +310,24 @@ def afd_config(d: Deployment, plan: ServerPlan) -> dict:
         "num_ffn_ranks": d.num_ffn_ranks,
         "start_rank": plan.start_rank,
     }
+
+
+# what each platform runs AFD steps with, unless the server's args choose (docs/cpu.md,
+# docs/cuda.md: vLLM's CUDA default FULL_AND_PIECEWISE is rejected, docs/ascend.md: ACL
+# graphs are rejected)
+GRAPH_FLAGS = {
+    "cpu": ["--enforce-eager"],
+    "cuda": ["--compilation-config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}'],
+    "npu": ["--enforce-eager"],
+}
+# the flags by which a server's args choose (vLLM reads `_` in a flag as `-`, and -O<n>)
+_GRAPH_CHOICES = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level")
+
+
+def _graph_flags(platform: str, args: list[str]) -> list[str]:
+    flags = [a.split("=", 1)[0] for a in args if a.startswith("-")]
+    chosen = any(f.replace("_", "-") in _GRAPH_CHOICES or f.startswith("-O") for f in flags)
+    return [] if chosen else GRAPH_FLAGS[platform]
 
 
 def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
@@ -321,8 +344,7 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
             base += ["--served-model-name", d.spec.served_model_name]
         if s.tensor_parallel_size > 1:
             base += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
-        if d.spec.platform == "cpu":
-            base += ["--enforce-eager"]  # vLLM's CPU graphs are not AFD steps (docs/cpu.md)
+        base += _graph_flags(d.spec.platform, [*role.args, *s.args])
         afd = json.dumps({"afd": afd_config(d, plan)}, separators=(",", ":"))
         base += ["--additional-config", afd]
         first = 0
@@ -351,8 +373,12 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
                 }
                 if d.spec.platform == "cuda":
                     env["NCCL_SOCKET_IFNAME"] = host.interface
+            if d.spec.platform == "npu":
+                env["HCCL_IF_IP"] = host.address  # HCCL's host-side socket (CANN)
             if d.spec.secret_file:
                 env["AFD_DEPLOYMENT_SECRET_FILE"] = d.spec.secret_file
             env |= {**role.env, **s.env}
-            out.append(HostCommand(p.host, s.name, argv, env, s.port if k == 0 else None))
+            port = s.port if k == 0 else None
+            devices = s.tensor_parallel_size * p.ranks
+            out.append(HostCommand(p.host, s.name, argv, env, port, s.role, devices))
     return out

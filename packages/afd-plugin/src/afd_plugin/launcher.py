@@ -210,8 +210,18 @@ class ServerError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (a
+    Ray actor killed with its driver: vLLM then stops its engine and workers itself)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Server:
     base_env = BASE_ENV  # what every process gets (a local CPU server's defaults)
+    die_with_parent = False  # SIGTERM the server when its starter dies (afd_plugin.deploy_ray)
 
     def __init__(self, spec: ServerSpec, log_dir: Path):
         self.spec = spec
@@ -233,6 +243,7 @@ class Server:
             env=env,
             start_new_session=True,
             stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         log.close()
         return self
