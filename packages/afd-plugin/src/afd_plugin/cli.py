@@ -1,4 +1,5 @@
-"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`."""
+"""The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`,
+`afd k8s`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_launch.add_arguments(
         sub.add_parser("launch", help="start this host's servers of a deployment spec")
     )
+    from afd_plugin import deploy_k8s
+
+    deploy_k8s.add_arguments(
+        sub.add_parser("k8s", help="render a deployment spec as Kubernetes manifests")
+    )
     return parser
 
 
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.deploy_launch import main as launch_main
 
         return launch_main(args)
+    if args.command == "k8s":
+        from afd_plugin.deploy_k8s import main as k8s_main
+
+        return k8s_main(args)
     return 2
 
 
