@@ -1,5 +1,5 @@
 """The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`,
-`afd ray`."""
+`afd ray`, `afd k8s`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     deploy_ray.add_arguments(
         sub.add_parser("ray", help="run a deployment spec on a Ray cluster (afd-plugin[ray])")
     )
+    from afd_plugin import deploy_k8s
+
+    deploy_k8s.add_arguments(
+        sub.add_parser("k8s", help="render a deployment spec as Kubernetes manifests")
+    )
     return parser
 
 
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from afd_plugin.deploy_ray import main as ray_main
 
         return ray_main(args)
+    if args.command == "k8s":
+        from afd_plugin.deploy_k8s import main as k8s_main
+
+        return k8s_main(args)
     return 2
 
 
