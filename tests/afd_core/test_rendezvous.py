@@ -115,7 +115,9 @@ def test_the_secret_comes_from_the_environment_or_a_file_and_is_checked(monkeypa
         deployment_secret()
 
 
-STRANGER = """
+# from a host outside the deployment: a raw store client, then an AFD rank without the
+# secret (tests/e2e/test_multi_host.py runs this part against a live deployment)
+STRANGER_WITHOUT_SECRET = """
 import datetime, os, sys
 import torch.distributed as dist
 host, port = sys.argv[1], int(sys.argv[2])
@@ -133,6 +135,10 @@ try:
     print("NOSECRET-ADMITTED")
 except TransportError as exc:
     print("NOSECRET-REFUSED", exc)
+"""
+STRANGER = (
+    STRANGER_WITHOUT_SECRET
+    + """
 os.environ["AFD_DEPLOYMENT_SECRET"] = sys.argv[3]
 t = GlooTransport(host, port, 0, 1, 2, False, 4.0, 4.0)
 t.open_store()
@@ -140,6 +146,7 @@ t.store_set("from-the-namespace", b"hello")
 t.close()
 print("MEMBER-ADMITTED")
 """
+)
 
 
 def test_a_stranger_in_another_network_namespace_is_refused_and_changes_nothing(monkeypatch):

@@ -3,13 +3,16 @@ tests/netns.py), each running its part of one deployment spec with `afd launch S
 NAME`: 2A1F with the attention server's data-parallel group across two hosts (head with
 the API server, the other headless: vLLM's multi-node flags) and the FFN server on the
 third; 2A2F with the FFN server's expert group (two FFN ranks) across two hosts. Greedy
-tokens identical to the colocated server's."""
+tokens identical to the colocated server's. The deployment has a secret: a fourth host
+without it is refused at the rendezvous (a raw store client, and an AFD rank), and nothing
+of AFD listens anywhere but on each host's address."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import time
 import pytest
 
 from afd_plugin.launcher import BASE_ENV, SHARED_CORES, Completion, running
+from tests.afd_core.test_rendezvous import STRANGER_WITHOUT_SECRET
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
 from tests.netns import hosts, listeners
 
@@ -35,6 +39,18 @@ from afd_plugin.launcher import complete
 url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 out = [complete(url, p, max_tokens, timeout=120) for p in prompts]
 print(json.dumps([[c.text, c.token_ids, c.logprobs, c.seconds] for c in out]))
+"""
+
+PROBE = """
+import json, socket, sys
+answered = []
+for host, port in json.loads(sys.argv[1]):
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        answered.append((host, port))
+    except OSError:
+        pass
+print(json.dumps(answered))
 """
 
 HEALTH = """
@@ -90,12 +106,12 @@ hosts = "a0"
 API_HOST = "a0"
 
 
-def _spec(model: str, layout: str, machines) -> str:
+def _spec(model: str, layout: str, machines, secret_file) -> str:
     names, servers = LAYOUTS[layout]
-    return spec_text(model, dict(zip(names, machines, strict=True)), servers)
+    return spec_text(model, dict(zip(names, machines, strict=True)), servers, secret_file)
 
 
-def spec_text(model: str, machines: dict, servers: str) -> str:
+def spec_text(model: str, machines: dict, servers: str, secret_file=None) -> str:
     """A spec of these hosts (name -> tests.netns.Host) and servers (TOML), every server
     with this module's args and environment."""
     toml_list = json.dumps(ARGS)
@@ -108,6 +124,7 @@ def spec_text(model: str, machines: dict, servers: str) -> str:
 model = "{model}"
 served_model_name = "tiny"
 rendezvous_port = 29650
+{f'secret_file = "{secret_file}"' if secret_file else ""}
 
 [afd]
 connector_extra_config = {{ connect_timeout_s = {START_S} }}
@@ -140,10 +157,13 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
     model = str(checkpoints(ARCH))
     colocated = with_reference(ARCH, model, log_dir, [])
     names = LAYOUTS[layout][0]
-    with hosts(3, tag="afdmh") as machines, running(colocated, timeout=600):
+    # a fourth host outside the deployment: a stranger without the secret
+    with hosts(4, tag="afdmh") as (*machines, stranger), running(colocated, timeout=600):
         by_name = dict(zip(names, machines, strict=True))
+        secret = tmp_path / "secret"
+        secret.write_text(secrets.token_hex(32))
         spec = tmp_path / "deploy.toml"
-        spec.write_text(_spec(model, layout, machines))
+        spec.write_text(_spec(model, layout, machines, secret))
         launchers = []
         try:
             for name, host in by_name.items():
@@ -167,11 +187,22 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
                 assert time.monotonic() - started < START_S, "not healthy in time"
                 time.sleep(2)
             print(f"\n{layout}: three hosts healthy after {time.monotonic() - started:.0f} s")
+            # refused at the rendezvous across hosts, and the deployment serves on unchanged
+            refused = _in(stranger, "-c", STRANGER_WITHOUT_SECRET, machines[0].address, "29650")
             rows = json.loads(_in(api, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
             got = [Completion(*row) for row in rows]
             # hosts running no API server: only AFD and vLLM's workers listen there
             quiet = [m for n, m in by_name.items() if n != API_HOST]
             sockets = {m.name: listeners(m.name) for m in quiet}
+            # from the stranger's host: what answers on each host's address at the ports
+            # listening elsewhere (loopback: the secret's gate relays, docs/security.md)
+            probes = [
+                (m.address, int(a.rsplit(":", 1)[1]))
+                for m in quiet
+                for a, _ in sockets[m.name]
+                if not a.startswith(m.address + ":")
+            ]
+            answered = json.loads(_in(stranger, "-c", PROBE, json.dumps(probes)))
         finally:
             for p in launchers:  # Ctrl-C: each launcher stops what it started
                 try:
@@ -183,10 +214,13 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
                     p.wait(60)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
+        assert "STRANGER-REFUSED" in refused and "STRANGER-WROTE" not in refused, refused
+        assert "NOSECRET-REFUSED" in refused and "requires the deployment secret" in refused
         assert_same(reference(ARCH, colocated), got)
-        # every listener on the host's own address, but vLLM's own torch.distributed store
-        # (`distributed_init_method=tcp://...`, which torch's TCPStore serves on every
-        # interface): its port is in vLLM's log
+        # every listener on the host's own address or loopback (AFD's secret gate: FFN rank
+        # 0's store and each rank's forwarder to the gate), but vLLM's own torch.distributed
+        # store (`distributed_init_method=tcp://...`, which torch's TCPStore serves on every
+        # interface): its port is in vLLM's log; from another host only that one answers
         vllm_ports = {
             m.group(1)
             for log in log_dir.glob(f"{layout}-*/*.log")
@@ -198,6 +232,8 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
         }
         print(f"{layout}: listeners not on their host's address: {elsewhere}; vLLM's: {vllm_ports}")
         for m in quiet:
-            assert all(a.rsplit(":", 1)[1] in vllm_ports for a, _ in elsewhere[m.name]), sockets
+            for a, _ in elsewhere[m.name]:
+                assert a.startswith("127.") or a.rsplit(":", 1)[1] in vllm_ports, sockets
+        assert all(str(port) in vllm_ports for _, port in answered), (answered, vllm_ports)
         assert f"{machines[0].address}:29650" in [a for a, _ in sockets[machines[0].name]]
         assert [p.returncode for p in launchers] == [130, 130, 130]
