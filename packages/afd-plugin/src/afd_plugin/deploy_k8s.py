@@ -493,7 +493,7 @@ def render(docs: list[dict]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("spec", help="the deployment spec (TOML), see docs/deploy.md")
     parser.add_argument("--image", required=True, help="the container image of every server")
-    parser.add_argument("--namespace", default="default", help="the namespace (default)")
+    parser.add_argument("--namespace", default="default", help="the namespace")
     parser.add_argument(
         "--name", help="the prefix of every resource's name (default: the spec file's stem)"
     )
@@ -509,7 +509,7 @@ def add_arguments(parser) -> None:
         "--startup-timeout",
         type=float,
         default=900.0,
-        help="seconds a server may take to load, on top of connect_timeout_s (900)",
+        help="seconds a server may take to load, on top of connect_timeout_s",
     )
     parser.add_argument("-o", "--output", help="write the manifests here (default: stdout)")
 

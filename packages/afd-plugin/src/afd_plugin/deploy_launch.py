@@ -30,9 +30,7 @@ def add_arguments(parser) -> None:
     what.add_argument("--host", help="start the processes of this host of the spec")
     what.add_argument("--print", action="store_true", help="print every host's commands")
     parser.add_argument("--log-dir", default="afd-logs", help="where each process logs")
-    parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait for /health (900)"
-    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
 
 
 @dataclass

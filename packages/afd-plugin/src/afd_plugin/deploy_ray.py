@@ -42,14 +42,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--log-dir", default="afd-logs", help="where each process logs, on its own node"
     )
-    parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait for /health (900)"
-    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
     parser.add_argument(
         "--placement-timeout",
         type=float,
         default=60.0,
-        help="seconds to wait for the placement group's resources (60)",
+        help="seconds to wait for the placement group's resources",
     )
 
 

@@ -29,10 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join([*sorted(HARDWARE_PRESETS), 'cpu'])}) or a .json/.toml "
         "profile (e.g. written by `afd bench --save-profile`)",
     )
-    p.add_argument("--tpot-ms", type=float, required=True, help="time per output token target")
+    p.add_argument(
+        "--tpot-ms", type=float, required=True, help="time per output token target, in milliseconds"
+    )
     p.add_argument("--context", type=int, required=True, help="context length in tokens")
-    p.add_argument("--max-devices", type=int, default=128, help="devices available (default 128)")
-    p.add_argument("--top", type=int, default=8, help="shapes to list (default 8)")
+    p.add_argument("--max-devices", type=int, default=128, help="devices available")
+    p.add_argument("--top", type=int, default=8, help="shapes to list")
     p.add_argument("--weight-bytes", type=float, help="bytes per weight (override the config)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
@@ -67,8 +69,14 @@ def main(args: argparse.Namespace) -> int:
                 raise PlanInputError(f"--weight-bytes={args.weight_bytes} must be > 0")
             model = model.with_bytes(weight_bytes=args.weight_bytes)
         hw = load_hardware(args.hardware)
-        if args.top < 1:
-            raise PlanInputError(f"--top={args.top} must be >= 1")
+        for flag, value, ok, allowed in (
+            ("--tpot-ms", args.tpot_ms, args.tpot_ms > 0, "> 0 (milliseconds)"),
+            ("--context", args.context, args.context > 0, ">= 1 (tokens)"),
+            ("--max-devices", args.max_devices, args.max_devices >= 2, ">= 2"),
+            ("--top", args.top, args.top >= 1, ">= 1"),
+        ):
+            if not ok:  # named by the flag, before the planner names its parameter
+                raise PlanInputError(f"{flag}={value} is invalid; allowed: {allowed}")
         result = plan(model, hw, args.tpot_ms, args.context, args.max_devices, args.top)
     except PlanInputError as exc:
         print(f"afd plan: {exc}", file=sys.stderr)

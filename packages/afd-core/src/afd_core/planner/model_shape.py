@@ -281,8 +281,8 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
 
 def load_model(spec: str) -> ModelShape:
     """A preset name, a config.json path, or a checkpoint folder holding config.json."""
-    if spec in PRESETS:
-        return PRESETS[spec]
+    if spec.lower() in PRESETS:  # as hardware presets: DeepSeek-V3 is deepseek-v3
+        return PRESETS[spec.lower()]
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
