@@ -1,5 +1,5 @@
-"""Four wheels with their own versions and release metadata (the Apache-2.0 text, project
-URLs, classifiers); afd-core installs and imports alone."""
+"""Four wheels with their own versions and release metadata (the Apache-2.0 text,
+classifiers); afd-core installs and imports alone."""
 
 import os
 import shutil
@@ -22,7 +22,6 @@ CLASSIFIERS = [
     "Programming Language :: Python :: 3.13",
     "Topic :: Scientific/Engineering :: Artificial Intelligence",
 ]
-URLS = ["Homepage", "Documentation", "Source", "Issues", "Changelog"]
 
 
 def uv() -> str:
@@ -95,14 +94,6 @@ def test_every_wheel_carries_the_license_and_release_metadata(wheels):
         # PEP 639: no licence classifier next to an SPDX expression
         assert not [ln for ln in md if ln.startswith("Classifier: License ::")], pkg
         assert set(CLASSIFIERS) <= {ln.removeprefix("Classifier: ") for ln in md}, pkg
-        urls = dict(
-            ln.removeprefix("Project-URL: ").split(", ", 1)
-            for ln in md
-            if ln.startswith("Project-URL: ")
-        )
-        assert sorted(urls) == sorted(URLS), (pkg, urls)
-        assert all(u.startswith("https://github.com/afd-project/afd-plugin") for u in urls.values())
-        assert urls["Changelog"].endswith(f"/packages/{pkg}/CHANGELOG.md"), urls
         assert (REPO / "packages" / pkg / "CHANGELOG.md").exists(), pkg
         assert "Author: AFD plugin contributors" in md, pkg
 
