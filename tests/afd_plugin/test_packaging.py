@@ -1,4 +1,5 @@
-"""Four wheels with their own versions; afd-core installs and imports alone."""
+"""Four wheels with their own versions and release metadata (the Apache-2.0 text,
+classifiers); afd-core installs and imports alone."""
 
 import os
 import shutil
@@ -11,6 +12,16 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGES = ["afd-core", "afd-models", "afd-npu", "afd-plugin"]
+LICENSE = REPO / "LICENSE"
+CLASSIFIERS = [
+    "Development Status :: 3 - Alpha",
+    "Intended Audience :: Developers",
+    "Operating System :: POSIX :: Linux",
+    "Programming Language :: Python :: 3.11",
+    "Programming Language :: Python :: 3.12",
+    "Programming Language :: Python :: 3.13",
+    "Topic :: Scientific/Engineering :: Artificial Intelligence",
+]
 
 
 def uv() -> str:
@@ -54,6 +65,37 @@ def test_four_wheels_with_their_own_versions(wheels):
             if pkg == "afd-core":
                 requires = [ln for ln in md.splitlines() if ln.startswith("Requires-Dist")]
                 assert requires == ["Requires-Dist: pydantic<3,>=2.7"], requires
+
+
+def test_the_license_is_apache_2_and_each_package_ships_it():
+    text = LICENSE.read_text()
+    assert text.lstrip().startswith("Apache License\n")
+    assert "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert "APPENDIX: How to apply the Apache License to your work." in text
+    for section in range(1, 10):
+        assert f"\n   {section}. " in text, section
+    # a package's build sees only its own folder: each holds a copy (a symlink would leave
+    # the sdist with a link out of itself, which installers refuse)
+    for pkg in PACKAGES:
+        copy = REPO / "packages" / pkg / "LICENSE"
+        assert not copy.is_symlink() and copy.read_text() == text, pkg
+
+
+def test_every_wheel_carries_the_license_and_release_metadata(wheels):
+    for pkg in PACKAGES:
+        meta = tomllib.loads((REPO / "packages" / pkg / "pyproject.toml").read_text())["project"]
+        info = f"{pkg.replace('-', '_')}-{meta['version']}.dist-info"
+        wheel = next(wheels.glob(f"{pkg.replace('-', '_')}-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            assert z.read(f"{info}/licenses/LICENSE").decode() == LICENSE.read_text(), pkg
+            md = z.read(f"{info}/METADATA").decode().split("\n\n", 1)[0].splitlines()
+        assert "License-Expression: Apache-2.0" in md, pkg
+        assert "License-File: LICENSE" in md, pkg
+        # PEP 639: no licence classifier next to an SPDX expression
+        assert not [ln for ln in md if ln.startswith("Classifier: License ::")], pkg
+        assert set(CLASSIFIERS) <= {ln.removeprefix("Classifier: ") for ln in md}, pkg
+        assert (REPO / "packages" / pkg / "CHANGELOG.md").exists(), pkg
+        assert "Author: AFD plugin contributors" in md, pkg
 
 
 def test_afd_core_wheel_installs_and_imports_alone(wheels, tmp_path):
