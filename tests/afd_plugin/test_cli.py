@@ -4,12 +4,13 @@ the flag, presets ignore case, and `afd bench` measures without matplotlib."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from afd_plugin.cli import build_parser, main
+from afd_plugin.cli import EXAMPLES, build_parser, main
 from tests.conftest import run_python
 
 
@@ -107,3 +108,15 @@ def test_afd_bench_measures_without_matplotlib(tmp_path):
     )
     assert "warning: no sweep.png without matplotlib" in r.stderr, r.stderr
     assert "FileExistsError" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", sorted(EXAMPLES))
+def test_every_commands_help_ends_with_examples_that_parse(command, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.split("examples:\n", 1)[1].split() == " ".join(EXAMPLES[command]).split()
+    for example in EXAMPLES[command]:
+        args = parser.parse_args(shlex.split(example)[1:])
+        assert args.command == command

@@ -25,8 +25,9 @@ def versions() -> str:
     return "\n".join(out)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """Every option's default in its help, unless the help says it or there is none."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help, unless the help says it or there is none; the
+    examples (epilog) as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -39,6 +40,21 @@ class HelpFormatter(argparse.HelpFormatter):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, list) else default
         return f"{text} (default: {shown})" if default != [] else text
+
+
+# each command's --help ends with these (tests/afd_plugin/test_cli.py parses every one)
+EXAMPLES = {
+    "doctor": ["afd doctor", "afd doctor --json"],
+    "demo": ["afd demo", "afd demo --arch qwen3_moe --shape 2A1F"],
+    "plan": [
+        "afd plan --model qwen3-30b-a3b --hardware h100 --tpot-ms 50 --context 4096",
+        "afd plan --model ./config.json --hardware h200 --tpot-ms 30 --context 8192 --json",
+    ],
+    "bench": ["afd bench --model tiny --out bench-out", "afd bench --no-serving"],
+    "launch": ["afd launch deploy.toml --print", "afd launch deploy.toml --host f"],
+    "ray": ["afd ray deploy.toml --address 10.0.0.1:6379"],
+    "k8s": ["afd k8s deploy.toml --image registry.example/afd:0.1 -o afd.yaml"],
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,35 +70,36 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COMMAND",
         parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter),
     )
-    doctor = sub.add_parser("doctor", help="check whether AFD can run here, and why not")
+
+    def command(name: str, help: str):
+        example = "\n".join(f"  {line}" for line in EXAMPLES[name])
+        return sub.add_parser(name, help=help, description=help, epilog=f"examples:\n{example}")
+
+    doctor = command("doctor", "check whether AFD can run here, and why not")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     from afd_plugin.demo import add_arguments
 
-    demo = sub.add_parser("demo", help="run an AFD deployment on this machine (CPU)")
+    demo = command("demo", "run an AFD deployment on this machine (CPU)")
     add_arguments(demo)
     from afd_plugin import bench, plan
 
     plan.add_arguments(
-        sub.add_parser("plan", help="choose the A:F shape for a model, hardware and TPOT target")
+        command("plan", "choose the A:F shape for a model, hardware and TPOT target")
     )
     bench.add_arguments(
-        sub.add_parser("bench", help="measure the connector and AFD vs colocated on this machine")
+        command("bench", "measure the connector and AFD vs colocated on this machine")
     )
     from afd_plugin import deploy_launch
 
-    deploy_launch.add_arguments(
-        sub.add_parser("launch", help="start this host's servers of a deployment spec")
-    )
+    deploy_launch.add_arguments(command("launch", "start this host's servers of a deployment spec"))
     from afd_plugin import deploy_ray
 
     deploy_ray.add_arguments(
-        sub.add_parser("ray", help="run a deployment spec on a Ray cluster (afd-plugin[ray])")
+        command("ray", "run a deployment spec on a Ray cluster (afd-plugin[ray])")
     )
     from afd_plugin import deploy_k8s
 
-    deploy_k8s.add_arguments(
-        sub.add_parser("k8s", help="render a deployment spec as Kubernetes manifests")
-    )
+    deploy_k8s.add_arguments(command("k8s", "render a deployment spec as Kubernetes manifests"))
     return parser
 
 
