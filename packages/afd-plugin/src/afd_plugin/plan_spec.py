@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from afd_core import topology
+from afd_core.topology import TopologyError
 from afd_plugin.deploy_spec import SpecError, check_spec
 
 API_PORTS = {"ffn": 8100, "attention": 8000}
@@ -44,18 +46,12 @@ def parse_host(text: str) -> PlanHost:
 
 
 def ffn_layout(a: int, f: int, platform: str) -> tuple[int, int]:
-    """(FFN ranks, tensor-parallel devices per FFN rank) for A:F, or SpecError why not."""
-    if f <= a and a % f == 0:
-        return f, 1
-    ranks = max((r for r in range(1, a + 1) if a % r == 0 and f % r == 0), default=1)
-    if f <= a:
-        raise SpecError(f"{a}A{f}F: {f} FFN ranks cannot split {a} attention ranks evenly")
-    if platform != "cpu":
-        raise SpecError(
-            f"{a}A{f}F needs {f} FFN devices over at most {ranks} FFN rank(s), that is FFN "
-            f"tensor parallelism, which AFD rejects on {platform}"
-        )
-    return ranks, f // ranks
+    """(FFN ranks, tensor-parallel devices per FFN rank) for A:F, or SpecError why not
+    (afd_core.topology.ffn_layout: the rule the planner applies too)."""
+    try:
+        return topology.ffn_layout(a, f, platform)
+    except TopologyError as exc:
+        raise SpecError(str(exc)) from None
 
 
 class _Hosts:

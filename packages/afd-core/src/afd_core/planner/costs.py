@@ -76,16 +76,26 @@ def transfer_times(
     rows_per_attention: float,
     attention_devices: int,
     ffn_devices: int,
+    devices_total: int | None = None,
 ) -> tuple[float, float]:
     """(latency, link occupancy) in seconds of one direction for one micro-batch: an
     attention device sends its rows, an FFN device receives its share from all of them
-    (the busier end sets the occupancy)."""
+    (the busier end sets the occupancy). Of `devices_total` devices, the share outside a
+    device's scale-up domain goes over the scale-out link, beside the rest (the slower of
+    the two sets the occupancy, the scale-out latency the latency); AFD: attention + FFN
+    devices (the default), colocated EP: its devices."""
     if rows_per_attention <= 0:
         return 0.0, 0.0
     per_token = model.hidden_size * model.wire_bytes * dispatch_fanout(model.top_k, ffn_devices)
     send = rows_per_attention * per_token
     receive = attention_devices * rows_per_attention * per_token / ffn_devices
-    return hw.link_latency_us * 1e-6, max(send, receive) / hw.link_bytes_per_s
+    volume = max(send, receive)
+    remote = hw.remote_fraction(devices_total or attention_devices + ffn_devices)
+    if not remote:
+        return hw.link_latency_us * 1e-6, volume / hw.link_bytes_per_s
+    local_s = volume * (1 - remote) / hw.link_bytes_per_s
+    remote_s = volume * remote / (hw.scale_out_bandwidth_gbps * 1e9)
+    return max(hw.link_latency_us, hw.scale_out_latency_us) * 1e-6, max(local_s, remote_s)
 
 
 def step_extra_time(model: ModelShape, hw: HardwareProfile, batch: float) -> float:

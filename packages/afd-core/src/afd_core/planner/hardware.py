@@ -16,6 +16,7 @@ from pathlib import Path
 from afd_core.planner.errors import PlanInputError
 
 PROFILE_FORMAT = 1
+PLATFORMS = ("cpu", "cuda", "npu")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class HardwareProfile:
     # how much of a layer's weight reading hides behind its arithmetic: 1 = the roofline
     # max(memory, compute) (a GPU's many warps); 0 = their sum (one CPU thread)
     compute_memory_overlap: float = 1.0
+    # the platform AFD runs on there: which A:F shapes it can serve (topology.ffn_layout)
+    platform: str = "cuda"
+    # a two-level network: `scale_up_domain` devices share the link above (NVLink, UB);
+    # traffic between domains takes the scale-out link (a NIC per device). 0: one domain
+    scale_up_domain: int = 0
+    scale_out_latency_us: float = 0.0
+    scale_out_bandwidth_gbps: float = 0.0  # GB/s per direction per device
     source: str = ""  # where the numbers come from
 
     def __post_init__(self):
@@ -68,7 +76,25 @@ class HardwareProfile:
                 raise PlanInputError(
                     f"hardware {self.name}: {name}={getattr(self, name)} must be in (0, 1]"
                 )
+        if self.platform not in PLATFORMS:
+            raise PlanInputError(
+                f"hardware {self.name}: platform={self.platform!r}; allowed: {', '.join(PLATFORMS)}"
+            )
+        if isinstance(self.scale_up_domain, bool) or not isinstance(self.scale_up_domain, int):
+            raise PlanInputError(
+                f"hardware {self.name}: scale_up_domain={self.scale_up_domain!r} must be an integer"
+            )
+        if self.scale_up_domain < 0 or (
+            self.scale_up_domain and not self.scale_out_bandwidth_gbps > 0
+        ):
+            raise PlanInputError(
+                f"hardware {self.name}: scale_up_domain={self.scale_up_domain} with "
+                f"scale_out_bandwidth_gbps={self.scale_out_bandwidth_gbps}; allowed: 0 (one "
+                "domain), or devices per domain >= 1 with a scale-out bandwidth > 0"
+            )
         for name in (
+            "scale_out_latency_us",
+            "scale_out_bandwidth_gbps",
             "link_latency_us",
             "attention_layer_overhead_us",
             "ffn_layer_overhead_us",
@@ -91,6 +117,13 @@ class HardwareProfile:
     def link_bytes_per_s(self) -> float:
         return self.link_bandwidth_gbps * 1e9
 
+    def remote_fraction(self, devices: int) -> float:
+        """The share of a device's peers outside its scale-up domain when `devices` are
+        packed into domains (each domain holding both roles in proportion)."""
+        if not self.scale_up_domain or devices <= self.scale_up_domain:
+            return 0.0
+        return 1.0 - self.scale_up_domain / devices
+
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_gib * 2**30 * self.usable_memory_fraction
@@ -102,38 +135,33 @@ class HardwareProfile:
 # Datasheet peaks (dense BF16, HBM, scale-up link per direction); alpha 20 us is the
 # NCCL/XCCL-class point-to-point latency (docs/planner.md cites where each comes from).
 # The efficiency fractions are assumptions (what tuned kernels reach), not measurements.
+# Scale-out: one 400 Gb/s NIC per device (50 GB/s per direction: ConnectX-7 in HGX H100/
+# H200/B200 and GB200 NVL72 systems; RoCE on Ascend supernodes), alpha 25 us (assumed).
 _GPU = dict(memory_efficiency=0.8, matmul_efficiency=0.6, step_overhead_us=1000.0)
+_NIC = dict(scale_out_latency_us=25.0, scale_out_bandwidth_gbps=50.0)
 PRESETS: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
-        "h100", 80, 3350, 989, 20, 450, **_GPU, source="H100 SXM datasheet, NVLink4"
+        "h100", 80, 3350, 989, 20, 450, **_GPU, scale_up_domain=8, **_NIC,
+        source="H100 SXM datasheet, NVLink4 within an 8-GPU HGX node, a 400G NIC per GPU",
     ),
     "h200": HardwareProfile(
-        "h200", 141, 4800, 989, 20, 450, **_GPU, source="H200 SXM datasheet, NVLink4"
+        "h200", 141, 4800, 989, 20, 450, **_GPU, scale_up_domain=8, **_NIC,
+        source="H200 SXM datasheet, NVLink4 within an 8-GPU HGX node, a 400G NIC per GPU",
     ),
     "b200": HardwareProfile(
-        "b200", 180, 8000, 2250, 20, 900, **_GPU, source="B200 datasheet, NVLink5"
+        "b200", 180, 8000, 2250, 20, 900, **_GPU, scale_up_domain=8, **_NIC,
+        source="B200 datasheet, NVLink5 within an 8-GPU HGX node, a 400G NIC per GPU",
     ),
     "gb200-nvl72": HardwareProfile(
-        "gb200-nvl72",
-        186,
-        8000,
-        2500,
-        20,
-        900,
-        **_GPU,
-        source="GB200 NVL72 datasheet, per GPU, one NVLink5 domain",
+        "gb200-nvl72", 186, 8000, 2500, 20, 900, **_GPU, scale_up_domain=72, **_NIC,
+        source="GB200 NVL72 datasheet, per GPU: one NVLink5 domain of 72, a 400G NIC per GPU",
     ),
     "ascend-910c": HardwareProfile(
-        "ascend-910c",
-        128,
-        3200,
-        752,
-        20,
-        392,
-        **_GPU,
-        source="Ascend 910C per chip; UB link of CloudMatrix384 (arXiv 2506.12708)",
+        "ascend-910c", 128, 3200, 752, 20, 392, **_GPU, platform="npu", scale_up_domain=384,
+        **_NIC,
+        source="Ascend 910C per chip; UB link of a CloudMatrix384 supernode (arXiv 2506.12708)",
     ),
-}
+}  # fmt: skip
 
 
 def _from_mapping(data: dict, source: str) -> HardwareProfile:

@@ -23,6 +23,7 @@ from afd_core.planner.errors import PlanInputError
 from afd_core.planner.hardware import HardwareProfile
 from afd_core.planner.model_shape import ModelShape
 from afd_core.planner.pipeline import step_time
+from afd_core.topology import TopologyError, ffn_layout
 
 ATTENTION_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 FFN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -184,7 +185,7 @@ def colocated_step(
         te_dense = costs.ffn_layer_time(model, hw, b, 1, dense=True)  # dense MLP replicated
         tc = 0.0
         if devices > 1:
-            lat, occ = costs.transfer_times(model, hw, b, devices, devices)
+            lat, occ = costs.transfer_times(model, hw, b, devices, devices, devices)
             tc = lat + occ * (devices - 1) / devices  # the local share stays on the device
         per_layer_moe = (
             max(m * (ta + te_moe), ta + te_moe + 2 * tc) if m > 1 else ta + te_moe + 2 * tc
@@ -264,6 +265,10 @@ def plan(
         for r in ATTENTION_COUNTS:
             if r + f > max_devices:
                 break
+            try:  # only shapes AFD can serve on this platform (the config's own rule)
+                ffn_layout(r, f, hw.platform)
+            except TopologyError:
+                continue
             for m in MICROBATCHES:
                 if _attention_memory(model, m, context) > mem:
                     continue

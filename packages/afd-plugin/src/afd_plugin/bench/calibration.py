@@ -57,6 +57,7 @@ def build_profile(
         # one thread per role: weight reads do not hide behind arithmetic (measured: the
         # roofline's max() predicted this host's steps 20-30% fast at 64 rows)
         compute_memory_overlap=0.0,
+        platform="cpu",
         source=(
             f"afd bench on {platform.node() or 'this host'}, {os.cpu_count()} cores, "
             f"{time.strftime('%Y-%m-%d')}: one thread per role"
