@@ -399,8 +399,8 @@ def test_the_cpu_preset_is_a_measured_profile_and_profiles_round_trip(tmp_path):
 
 def test_the_readmes_range_of_predicted_gains():
     """README and docs/planner.md: every preset model on every GPU/NPU preset at 50 ms and a
-    4K context, AFD's best over colocated's best is 0.68-0.98x."""
+    4K context, AFD's best over colocated's best is 0.66-0.98x."""
     gains = [
         plan(PRESETS[m], HW_PRESETS[h], 50, 4096).afd_gain for m in PRESETS for h in HW_PRESETS
     ]
-    assert (round(min(gains), 2), round(max(gains), 2)) == (0.68, 0.98), gains
+    assert (round(min(gains), 2), round(max(gains), 2)) == (0.66, 0.98), gains
