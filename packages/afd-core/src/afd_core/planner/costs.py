@@ -28,13 +28,29 @@ def roofline(nbytes: float, flops: float, hw: HardwareProfile) -> float:
 def attention_layer_time(
     model: ModelShape, hw: HardwareProfile, rows: float, context: float
 ) -> float:
-    """One attention layer for `rows` decode tokens of `context` cached tokens each."""
+    """One attention layer for `rows` decode tokens of `context` cached tokens each.
+
+    A hybrid model (linear-attention layers between full ones, Qwen3-Next/3.5) gets the mean
+    over its layers of each kind's time, weighted by their counts: the step sums per-layer
+    times, so the sum over layers is exact, and only the pipeline's layer-by-layer
+    interleaving sees the mean instead of alternating times. A linear layer reads its
+    weights and reads and writes each row's fixed-size state; its work does not grow with
+    the context."""
     if rows <= 0:
         return 0.0
     p = model.attention_params
     nbytes = p * model.weight_bytes + rows * context * model.kv_bytes_per_token_layer
     flops = rows * (2.0 * p + model.attention_core_flops(context))
-    return hw.attention_layer_overhead_us * 1e-6 + roofline(nbytes, flops, hw)
+    overhead = hw.attention_layer_overhead_us * 1e-6
+    linear_layers = model.num_linear_attention_layers
+    if not linear_layers:
+        return overhead + roofline(nbytes, flops, hw)
+    full = model.num_full_attention_layers * roofline(nbytes, flops, hw)
+    p = model.linear_attention_params
+    nbytes = p * model.weight_bytes + rows * 2.0 * model.linear_state_bytes_layer
+    flops = rows * (2.0 * p + model.linear_attention_core_flops)
+    linear = linear_layers * roofline(nbytes, flops, hw)
+    return overhead + (full + linear) / model.num_layers
 
 
 def expected_active_experts(num_experts: int, top_k: int, tokens: float) -> float:

@@ -3,7 +3,10 @@
 Only shapes, never weights: parameter counts per layer for each role, the KV-cache bytes a
 token adds per layer, and the attention core's work per token of context. Attention is
 either grouped-query (q/k/v/o projections) or DeepSeek's MLA (latent KV cache of
-kv_lora_rank + qk_rope_head_dim per token, computed in the absorbed form).
+kv_lora_rank + qk_rope_head_dim per token, computed in the absorbed form). A hybrid model
+(Qwen3-Next, Qwen3.5) has linear-attention layers (Gated DeltaNet) between its full ones:
+their state per request is fixed-size (a short convolution window and one d_k x d_v matrix
+per value head), it does not grow with the context.
 """
 
 from __future__ import annotations
@@ -15,6 +18,55 @@ from pathlib import Path
 from afd_core.planner.errors import PlanInputError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1, "int8": 1}
+
+# What a config's integer fields may hold: (min, max), inclusive. Each must be a JSON integer
+# (not a float, not true/false). The upper bounds are generous (far above any published
+# model) but bounded, so a typo fails at once instead of planning for hours.
+_DIM = 1 << 16  # a head count or head dimension
+_WIDTH = 1 << 20  # an MLP width
+RANGES: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 4 * 65536),
+    "vocab_size": (1, 10**7),
+    "n_routed_experts": (1, 65536),
+    "num_experts": (1, 65536),
+    "num_local_experts": (1, 65536),
+    "num_experts_per_tok": (1, 65536),
+    "moe_topk": (1, 65536),
+    "top_k": (1, 65536),
+    "moe_intermediate_size": (1, _WIDTH),
+    "intermediate_size": (0, _WIDTH),
+    "shared_expert_intermediate_size": (0, _WIDTH),
+    "n_shared_experts": (0, 1024),
+    "first_k_dense_replace": (0, 1024),
+    "decoder_sparse_step": (1, 1024),
+    "mlp_only_layers": (0, 1023),  # each entry, also < num_hidden_layers
+    "full_attention_interval": (1, 1024),
+    "num_attention_heads": (1, _DIM),
+    "num_key_value_heads": (1, _DIM),
+    "head_dim": (1, _DIM),
+    "q_lora_rank": (0, _DIM),
+    "kv_lora_rank": (0, _DIM),
+    "qk_nope_head_dim": (1, _DIM),
+    "qk_rope_head_dim": (0, _DIM),
+    "v_head_dim": (1, _DIM),
+    "linear_num_key_heads": (1, _DIM),
+    "linear_num_value_heads": (1, _DIM),
+    "linear_key_head_dim": (1, _DIM),
+    "linear_value_head_dim": (1, _DIM),
+    "linear_conv_kernel_dim": (1, 1024),
+}
+# ModelShape's own fields bounded by the same table (a preset or a hand-built shape)
+_SHAPE_RANGES = {
+    "hidden_size": RANGES["hidden_size"],
+    "num_layers": RANGES["num_hidden_layers"],
+    "num_experts": RANGES["num_experts"],
+    "top_k": RANGES["num_experts_per_tok"],
+    "vocab_size": RANGES["vocab_size"],
+    "num_heads": RANGES["num_attention_heads"],
+    "moe_intermediate_size": RANGES["moe_intermediate_size"],
+    "dense_intermediate_size": RANGES["intermediate_size"],
+}
 
 
 @dataclass(frozen=True)
@@ -40,14 +92,36 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     weight_bytes: float = 2.0  # per parameter (1 for FP8 checkpoints)
-    kv_bytes: float = 2.0  # per cached element
+    kv_bytes: float = 2.0  # per cached element (and per linear-attention state element)
     wire_bytes: float = 2.0  # per hidden element exchanged between the roles
+    # a sigmoid gate on the attention output, projected with q (Qwen3-Next, Qwen3.5)
+    attention_output_gate: bool = False
+    # hybrid models: layers with linear attention (Gated DeltaNet) instead of full attention
+    num_linear_attention_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, int | float) and not isinstance(v, bool) and v < 0:
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if kind in ("int", "float") and (
+                isinstance(v, bool) or not isinstance(v, int if kind == "int" else int | float)
+            ):
+                raise PlanInputError(
+                    f"model {self.name}: {f.name}={v!r} is invalid; allowed: "
+                    f"{'an integer' if kind == 'int' else 'a number'}"
+                )
+            if kind in ("int", "float") and v < 0:
                 raise PlanInputError(f"model {self.name}: {f.name}={v} must be >= 0")
+        for name, (_, hi) in _SHAPE_RANGES.items():
+            if getattr(self, name) > hi:
+                raise PlanInputError(
+                    f"model {self.name}: {name}={getattr(self, name)} must be <= {hi}"
+                )
         for name in ("hidden_size", "num_layers", "num_experts", "top_k", "num_heads"):
             if getattr(self, name) <= 0:
                 raise PlanInputError(f"model {self.name}: {name}={getattr(self, name)} must be > 0")
@@ -65,6 +139,17 @@ class ModelShape:
                 f"model {self.name}: attention needs num_kv_heads and head_dim > 0 (or the "
                 "MLA fields kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)"
             )
+        if self.num_linear_attention_layers > self.num_layers:
+            raise PlanInputError(
+                f"model {self.name}: num_linear_attention_layers="
+                f"{self.num_linear_attention_layers} is more than num_layers={self.num_layers}"
+            )
+        linear = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")
+        linear += ("linear_value_head_dim", "linear_conv_kernel_dim")
+        if self.num_linear_attention_layers and any(getattr(self, n) <= 0 for n in linear):
+            raise PlanInputError(
+                f"model {self.name}: linear-attention layers need {', '.join(linear)} > 0"
+            )
 
     @property
     def is_mla(self) -> bool:
@@ -73,6 +158,10 @@ class ModelShape:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return self.num_layers - self.num_linear_attention_layers
 
     # -- parameters per layer -------------------------------------------------------------
 
@@ -86,7 +175,25 @@ class ModelShape:
             kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv_a + kv_b + n * self.v_head_dim * h
         d = self.head_dim
-        return h * n * d + 2 * h * self.num_kv_heads * d + n * d * h
+        gate = h * n * d if self.attention_output_gate else 0
+        return h * n * d + gate + 2 * h * self.num_kv_heads * d + n * d * h
+
+    @property
+    def _linear_conv_dim(self) -> int:  # the q, k and v channels the short convolution sees
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+    @property
+    def linear_attention_params(self) -> int:
+        """One Gated DeltaNet layer (vLLM's qwen_gdn_linear_attn): in_proj_qkvz, in_proj_ba,
+        the depthwise conv1d and out_proj; the per-head A_log, dt_bias and the norm are
+        left out as the full layers' norms are."""
+        h, v = self.hidden_size, self.linear_num_value_heads * self.linear_value_head_dim
+        qkvz = h * (self._linear_conv_dim + v)
+        ba = h * 2 * self.linear_num_value_heads
+        return qkvz + ba + self.linear_conv_kernel_dim * self._linear_conv_dim + v * h
 
     @property
     def expert_params(self) -> int:
@@ -113,7 +220,9 @@ class ModelShape:
     @property
     def attention_params_total(self) -> int:
         """Everything the attention role holds: attention layers, embedding and LM head."""
-        return self.num_layers * self.attention_params + 2 * self.vocab_size * self.hidden_size
+        layers = self.num_full_attention_layers * self.attention_params
+        layers += self.num_linear_attention_layers * self.linear_attention_params
+        return layers + 2 * self.vocab_size * self.hidden_size
 
     # -- attention work per token -------------------------------------------------------------
 
@@ -122,6 +231,38 @@ class ModelShape:
         if self.is_mla:
             return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_bytes
         return 2 * self.num_kv_heads * self.head_dim * self.kv_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes one token of context adds over all layers (full attention only)."""
+        return self.num_full_attention_layers * self.kv_bytes_per_token_layer
+
+    @property
+    def linear_state_bytes_layer(self) -> float:
+        """A request's fixed-size state in one linear-attention layer, as vLLM's
+        gated_delta_net_state_shape: the conv window (kernel - 1 columns of q, k, v) and
+        the recurrent state (value heads x d_v x d_k)."""
+        conv = (self.linear_conv_kernel_dim - 1) * self._linear_conv_dim
+        recurrent = (
+            self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim
+        )
+        return (conv + recurrent) * self.kv_bytes
+
+    @property
+    def state_bytes_per_request(self) -> float:
+        """The fixed-size state a request holds over all linear-attention layers (0 if none)."""
+        if not self.num_linear_attention_layers:
+            return 0.0
+        return self.num_linear_attention_layers * self.linear_state_bytes_layer
+
+    @property
+    def linear_attention_core_flops(self) -> float:
+        """Flops of one decode token in one linear-attention layer beyond its projections:
+        the conv (2 x kernel per channel) and the delta rule on each value head's d_k x d_v
+        state, about 7 flops per state element (decay, the read S k, the rank-1 write, the
+        output S q). Independent of the context."""
+        state = self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim
+        return 2.0 * self.linear_conv_kernel_dim * self._linear_conv_dim + 7.0 * state
 
     def attention_core_flops(self, context: int) -> float:
         """Flops of one query token attending over `context` cached tokens (QK^T and PV)."""
@@ -209,74 +350,164 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def _need(cfg: dict, key: str, source: str):
-    if key not in cfg or cfg[key] is None:
-        raise PlanInputError(f"model config {source}: field {key!r} is missing")
-    return cfg[key]
+def _bad(source: str, key: str, value, allowed: str) -> PlanInputError:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    return PlanInputError(
+        f"model config {source}: field {key!r} = {shown} is invalid; allowed: {allowed}"
+    )
 
 
-def _first(cfg: dict, keys: tuple[str, ...], source: str):
+def _check_int(value, key: str, source: str, lo: int, hi: int) -> int:
+    """`value` if it is a JSON integer in [lo, hi], else a PlanInputError naming it all."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(source, key, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
+    """Integer field `key`, in its RANGES; `default` when absent or null (missing: an error
+    if there is no default)."""
+    if cfg.get(key) is None:
+        if default is None:
+            raise PlanInputError(f"model config {source}: field {key!r} is missing")
+        return default
+    return _check_int(cfg[key], key, source, *RANGES[key])
+
+
+def _first_int(cfg: dict, keys: tuple[str, ...], source: str) -> int:
     for k in keys:
         if cfg.get(k) is not None:
-            return cfg[k]
+            return _int(cfg, k, source)
     raise PlanInputError(
         f"model config {source}: none of the fields {', '.join(map(repr, keys))} is present"
     )
 
 
+_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
+# Qwen3-Next and Qwen3.5: hybrid attention, a full layer every 4th when the config gives
+# neither layer_types nor full_attention_interval (the HF config classes' default), and an
+# output gate on full attention (vLLM's Qwen3NextAttention default)
+_HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+_LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
+
+
+def _dense_layers(cfg: dict, layers: int, source: str) -> int:
+    """Layers with a dense MLP instead of experts: DeepSeek/GLM's first_k_dense_replace or
+    Qwen's mlp_only_layers and decoder_sparse_step (a layer i is MoE when (i+1) % step == 0)."""
+    if "first_k_dense_replace" in cfg:
+        return _int(cfg, "first_k_dense_replace", source, 0)
+    only = cfg.get("mlp_only_layers")
+    only = [] if only is None else only
+    if not isinstance(only, list):
+        raise _bad(source, "mlp_only_layers", only, "a list of layer indices")
+    hi = min(RANGES["mlp_only_layers"][1], layers - 1)
+    only = {_check_int(i, "mlp_only_layers", source, 0, hi) for i in only}
+    step = _int(cfg, "decoder_sparse_step", source, 1)
+    return len(only) + sum(1 for i in range(layers) if i not in only and (i + 1) % step)
+
+
+def _linear_attention_layers(cfg: dict, layers: int, source: str) -> int:
+    """How many layers are linear attention: from layer_types (sliding-window layers count
+    as full ones, an upper bound on their KV cache), else full_attention_interval, else the
+    Qwen3-Next/3.5 default of one full layer in four; 0 for other models."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        if (
+            not isinstance(types, list)
+            or len(types) != layers
+            or any(t not in _LAYER_TYPES for t in types)
+        ):
+            allowed = f"a list of num_hidden_layers ({layers}) entries, each one of "
+            raise _bad(source, "layer_types", types, allowed + ", ".join(_LAYER_TYPES))
+        return types.count("linear_attention")
+    default = 4 if cfg.get("model_type") in _HYBRID_TYPES else 0
+    interval = _int(cfg, "full_attention_interval", source, default)
+    return 0 if interval == 0 else sum(1 for i in range(layers) if (i + 1) % interval)
+
+
 def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
     """The shape of a MoE model from its HF config (a multimodal config's text_config is
-    used). DeepSeek-V2/V3, GLM-4.x MoE and Qwen2/3-MoE field names are understood."""
+    used, with the outer name, dtype and quantization where it has none). DeepSeek-V2/V3,
+    GLM-4.x MoE, Qwen2/3-MoE, Qwen3-Next/3.5 (hybrid attention) and Mixtral-style
+    (num_local_experts, the expert width in intermediate_size) field names are understood.
+    Every integer field is checked against RANGES."""
     if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "name"}}
-    layers = int(_need(cfg, "num_hidden_layers", source))
-    experts = int(_first(cfg, ("n_routed_experts", "num_experts", "num_local_experts"), source))
-    moe_inter = int(_need(cfg, "moe_intermediate_size", source))
-    if "first_k_dense_replace" in cfg:
-        dense = int(cfg["first_k_dense_replace"] or 0)
-    else:  # Qwen: mlp_only_layers / decoder_sparse_step
-        only = cfg.get("mlp_only_layers") or []
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = len(only) + sum(1 for i in range(layers) if i not in only and (i + 1) % step)
-    if cfg.get("n_shared_experts"):
-        shared = int(cfg["n_shared_experts"]) * moe_inter
+        outer = {k: cfg[k] for k in ("quantization_config", "torch_dtype", "dtype") if k in cfg}
+        cfg = {**outer, **cfg["text_config"], **{k: v for k, v in cfg.items() if k == "name"}}
+    if all(cfg.get(k) is None or type(cfg[k]) is int and cfg[k] == 0 for k in _EXPERT_FIELDS):
+        raise PlanInputError(
+            f"model config {source}: not a MoE model (no routed experts: none of the fields "
+            f"{', '.join(map(repr, _EXPERT_FIELDS))} is present); AFD splits MoE models"
+        )
+    layers = _int(cfg, "num_hidden_layers", source)
+    hidden = _int(cfg, "hidden_size", source)
+    experts = _first_int(cfg, _EXPERT_FIELDS, source)
+    mixtral = cfg.get("model_type") == "mixtral" or (
+        cfg.get("moe_intermediate_size") is None and cfg.get("num_local_experts") is not None
+    )
+    if mixtral:  # every layer MoE, no shared expert, the expert width in intermediate_size
+        moe_inter, dense, shared, dense_inter = _int(cfg, "intermediate_size", source), 0, 0, 0
     else:
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    quant = cfg.get("quantization_config") or {}
+        moe_inter = _int(cfg, "moe_intermediate_size", source)
+        dense = _dense_layers(cfg, layers, source)
+        shared = _int(cfg, "n_shared_experts", source, 0) * moe_inter
+        if not shared:
+            shared = _int(cfg, "shared_expert_intermediate_size", source, 0)
+        dense_inter = _int(cfg, "intermediate_size", source, 0)
+    quant = cfg.get("quantization_config")
+    quant = {} if quant is None else quant
+    if not isinstance(quant, dict):
+        raise _bad(source, "quantization_config", quant, "an object")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     wbytes = 1.0 if "fp8" in str(quant.get("quant_method", "")) else _DTYPE_BYTES.get(dtype, 2)
-    kw = {}
-    if cfg.get("kv_lora_rank"):
+    heads = _int(cfg, "num_attention_heads", source)
+    if _int(cfg, "kv_lora_rank", source, 0):
         kw = dict(
-            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-            kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=int(_need(cfg, "qk_nope_head_dim", source)),
-            qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim", source)),
-            v_head_dim=int(_need(cfg, "v_head_dim", source)),
+            q_lora_rank=_int(cfg, "q_lora_rank", source, 0),
+            kv_lora_rank=_int(cfg, "kv_lora_rank", source),
+            qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", source),
+            qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", source),
+            v_head_dim=_int(cfg, "v_head_dim", source),
         )
     else:
-        heads = int(_need(cfg, "num_attention_heads", source))
         kw = dict(
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(_need(cfg, "hidden_size", source)) // heads),
+            num_kv_heads=_int(cfg, "num_key_value_heads", source, heads),
+            head_dim=_int(cfg, "head_dim", source, hidden // heads),
         )
-    return ModelShape(
-        name=str(cfg.get("name") or cfg.get("model_type") or source),
-        hidden_size=int(_need(cfg, "hidden_size", source)),
-        num_layers=layers,
-        num_dense_layers=dense,
-        num_experts=experts,
-        top_k=int(_first(cfg, ("num_experts_per_tok", "moe_topk", "top_k"), source)),
-        moe_intermediate_size=moe_inter,
-        shared_intermediate_size=shared,
-        dense_intermediate_size=int(cfg.get("intermediate_size") or 0),
-        vocab_size=int(_need(cfg, "vocab_size", source)),
-        num_heads=int(_need(cfg, "num_attention_heads", source)),
-        weight_bytes=float(wbytes),
-        kv_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
-        wire_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
-        **kw,
-    )
+    linear = _linear_attention_layers(cfg, layers, source)
+    if linear:
+        for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim"):
+            kw[k] = _int(cfg, k, source)
+        for k in ("linear_value_head_dim", "linear_conv_kernel_dim"):
+            kw[k] = _int(cfg, k, source)
+    gate = cfg.get("attn_output_gate", cfg.get("model_type") in _HYBRID_TYPES)
+    if not isinstance(gate, bool):
+        raise _bad(source, "attn_output_gate", gate, "true or false")
+    top_k = _first_int(cfg, ("num_experts_per_tok", "moe_topk", "top_k"), source)
+    vocab = _int(cfg, "vocab_size", source)
+    try:
+        return ModelShape(
+            name=str(cfg.get("name") or cfg.get("model_type") or source),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_dense_layers=dense,
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=moe_inter,
+            shared_intermediate_size=shared,
+            dense_intermediate_size=dense_inter,
+            vocab_size=vocab,
+            num_heads=heads,
+            weight_bytes=float(wbytes),
+            kv_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
+            wire_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
+            attention_output_gate=gate,
+            num_linear_attention_layers=linear,
+            **kw,
+        )
+    except PlanInputError as exc:  # a check across fields (top_k > experts): name the file
+        raise PlanInputError(f"model config {source}: {exc}") from None
 
 
 def load_model(spec: str) -> ModelShape:
