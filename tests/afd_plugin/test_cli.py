@@ -4,6 +4,8 @@ the flag, presets ignore case, and `afd bench` measures without matplotlib."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shlex
 import subprocess
 import sys
@@ -50,23 +52,20 @@ def test_every_commands_help_shows_its_defaults(command, shown, capsys):
     assert "(default: None)" not in out and "(default: False)" not in out
 
 
+F_SETPIPE_SZ = 1031  # Linux fcntl: a pipe's capacity
+
+
 def test_a_reader_that_leaves_early_ends_the_output_quietly():
     """`afd plan --json | head -1`: exit 141 (SIGPIPE's), no traceback."""
     argv = ["plan", "--model", "deepseek-v3", "--hardware", "h100", "--tpot-ms", "50"]
-    argv += [
-        "--context",
-        "2048",
-        "--json",
-        "--top",
-        "100000",
-        "--max-devices",
-        "1024",
-    ]  # > a pipe's 64 KiB
+    argv += ["--context", "2048", "--json", "--top", "1000"]
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, F_SETPIPE_SZ, 4096)  # the output (~30 KB) cannot fit in it
     p = subprocess.Popen(
-        [sys.executable, "-m", "afd_plugin.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        [sys.executable, "-m", "afd_plugin.cli", *argv], stdout=write_end, stderr=subprocess.PIPE
     )
+    os.close(write_end)
+    p.stdout = os.fdopen(read_end, "rb")
     assert p.stdout.readline().strip() == b"{"
     p.stdout.close()
     err = p.stderr.read().decode()

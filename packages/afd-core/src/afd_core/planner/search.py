@@ -199,7 +199,8 @@ def colocated_step(
 
 
 def _kv_cache_bytes(model: ModelShape, batch: int, context: float) -> float:
-    return batch * context * model.num_layers * model.kv_bytes_per_token_layer
+    # full-attention layers grow with the context; linear-attention layers hold a fixed state
+    return batch * (context * model.kv_bytes_per_token + model.state_bytes_per_request)
 
 
 def _attention_memory(model: ModelShape, batch: int, context: float) -> float:
