@@ -17,3 +17,21 @@ def test_the_cli_prints_a_plan_and_exits_by_the_verdict(capsys, tmp_path):
     assert main(["plan", "--model", "nope", "--hardware", "h200", "--tpot-ms", "5",
                  "--context", "4096"]) == 2  # fmt: skip
     assert "afd plan: model 'nope' is neither a preset" in capsys.readouterr().err
+
+
+def test_the_table_names_devices_totals_units_and_what_capped_the_batch(capsys):
+    from afd_plugin.cli import main
+
+    argv = ["plan", "--model", "glm-4.5", "--hardware", "h200", "--tpot-ms", "50"]
+    assert main([*argv, "--context", "32768", "--max-devices", "16", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "microseconds per layer and micro-batch" in out
+    afd, colocated = out.split("colocated expert parallel")
+    header, *rows = [ln.split() for ln in afd.strip().splitlines()[3:]]
+    assert header[:5] == ["shape", "devices", "m", "B", "cap"] and "total" in header
+    assert len(rows) == 2 and rows[0][:2] == ["8A8F", "16"] and rows[0][4] == "tpot"
+    co = [ln.split() for ln in colocated.strip().splitlines()[2:] if ln.startswith("  ")]
+    assert len(co) == 2  # --top holds for colocated too
+    assert co[1][:4] == ["8", "1", "1", "memory"]  # 1/8 of the experts leaves room for 1
+    tokens = float(co[1][5]) * 8
+    assert co[1][6] == f"{tokens:,.0f}"

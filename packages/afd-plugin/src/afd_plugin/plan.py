@@ -124,30 +124,38 @@ def render(result, hw) -> str:
         f"{result.model} on {result.hardware} ({hw.source or 'custom profile'}), TPOT <= "
         f"{result.tpot_target_ms:g} ms, context {result.context}",
         "",
-        "AFD (A attention devices : F FFN devices, m micro-batches, B requests per attention device)",
+        "AFD: A attention devices : F FFN devices, m micro-batches, B requests per attention "
+        "device (capped by: the TPOT target or memory); attn, ffn and xfer: microseconds per "
+        "layer and micro-batch",
     ]
     if result.candidates:
         lines.append(
-            f"  {'shape':>8} {'m':>2} {'B':>6} {'TPOT ms':>8} {'tok/s/dev':>10} "
-            f"{'attn us':>8} {'ffn us':>8} {'xfer us':>8}  bound"
+            f"  {'shape':>8} {'devices':>7} {'m':>2} {'B':>6} {'cap':>6} {'TPOT ms':>8} "
+            f"{'tok/s/dev':>10} {'tok/s total':>12} {'attn us':>8} {'ffn us':>8} "
+            f"{'xfer us':>8}  bound"
         )
         for c in result.candidates:
             b = c.breakdown
             lines.append(
-                f"  {c.shape:>8} {c.microbatches:>2} {c.batch_per_attention_device:>6} "
-                f"{c.tpot_ms:>8.1f} {c.tokens_per_s_per_device:>10.1f} "
+                f"  {c.shape:>8} {c.devices:>7} {c.microbatches:>2} "
+                f"{c.batch_per_attention_device:>6} {c.capped_by:>6} {c.tpot_ms:>8.1f} "
+                f"{c.tokens_per_s_per_device:>10.1f} {c.tokens_per_s_per_device * c.devices:>12,.0f} "
                 f"{b.attention_layer_s * 1e6:>8.1f} {b.ffn_layer_s * 1e6:>8.1f} "
                 f"{b.transfer_s * 1e6:>8.1f}  {b.bound}"
             )
     else:
-        lines.append("  no shape meets the target")
-    lines += ["", "colocated expert parallel (N devices, B requests per device)"]
+        lines.append("  no shape AFD can serve meets the target")
+    lines += ["", "colocated expert parallel: N devices, B requests per device"]
     if result.colocated:
-        lines.append(f"  {'N':>8} {'m':>2} {'B':>6} {'TPOT ms':>8} {'tok/s/dev':>10}")
-        for c in result.colocated[:3]:
+        lines.append(
+            f"  {'N':>8} {'m':>2} {'B':>6} {'cap':>6} {'TPOT ms':>8} {'tok/s/dev':>10} "
+            f"{'tok/s total':>12}"
+        )
+        for c in result.colocated:
             lines.append(
-                f"  {c.devices:>8} {c.microbatches:>2} {c.batch_per_device:>6} "
-                f"{c.tpot_ms:>8.1f} {c.tokens_per_s_per_device:>10.1f}"
+                f"  {c.devices:>8} {c.microbatches:>2} {c.batch_per_device:>6} {c.capped_by:>6} "
+                f"{c.tpot_ms:>8.1f} {c.tokens_per_s_per_device:>10.1f} "
+                f"{c.tokens_per_s_per_device * c.devices:>12,.0f}"
             )
     else:
         lines.append("  no colocated deployment meets the target")

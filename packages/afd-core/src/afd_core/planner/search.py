@@ -50,10 +50,15 @@ class Candidate:
     tpot_ms: float
     tokens_per_s_per_device: float
     breakdown: StepBreakdown
+    capped_by: str = "tpot"  # what stopped B growing: "tpot", "memory" or "search" (MAX_BATCH)
 
     @property
     def shape(self) -> str:
         return f"{self.attention_devices}A{self.ffn_devices}F"
+
+    @property
+    def devices(self) -> int:
+        return self.attention_devices + self.ffn_devices
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Colocated:
     microbatches: int
     tpot_ms: float
     tokens_per_s_per_device: float
+    capped_by: str = "tpot"
 
 
 @dataclass
@@ -123,7 +129,9 @@ class Plan:
             "verdict": self.verdict(),
             "fastest_afd_tpot_ms": self.fastest_afd_tpot_ms,
             "fastest_colocated_tpot_ms": self.fastest_colocated_tpot_ms,
-            "candidates": [{**asdict(c), "shape": c.shape} for c in self.candidates],
+            "candidates": [
+                {**asdict(c), "shape": c.shape, "devices": c.devices} for c in self.candidates
+            ],
             "colocated": [asdict(c) for c in self.colocated],
         }
 
@@ -238,6 +246,14 @@ def _max_batch(fits, lo: int, step: int) -> int:
     return good
 
 
+def _capped_by(b: int, step: int, fits_memory) -> str:
+    """Why the batch stopped at b: the next step up does not fit in memory, the search's
+    bound, or else the TPOT target."""
+    if b + step > MAX_BATCH:
+        return "search"
+    return "tpot" if fits_memory(b + step) else "memory"
+
+
 def plan(
     model: ModelShape,
     hw: HardwareProfile,
@@ -285,6 +301,7 @@ def plan(
                 if not b:
                     continue
                 bd = afd_step(model, hw, r, f, m, b, context)
+                capped = _capped_by(b, m, lambda b: _attention_memory(model, b, context) <= mem)
                 best_per_shape.append(
                     Candidate(
                         r,
@@ -294,6 +311,7 @@ def plan(
                         bd.step_s * 1e3,
                         r * b / bd.step_s / (r + f),
                         bd,
+                        capped,
                     )
                 )
     best_per_shape.sort(key=lambda c: -c.tokens_per_s_per_device)
@@ -315,7 +333,10 @@ def plan(
             b = _max_batch(fits, 1, 1)
             if b:
                 t, m = colocated_step(model, hw, n, b, context)
-                colo.append(Colocated(n, b, m, t * 1e3, b / t))
+                capped = _capped_by(
+                    b, 1, lambda b, p=per_device: p + _kv_cache_bytes(model, b, context) <= mem
+                )
+                colo.append(Colocated(n, b, m, t * 1e3, b / t, capped))
         n *= 2
     colo.sort(key=lambda c: -c.tokens_per_s_per_device)
     result.colocated = colo[:top]
