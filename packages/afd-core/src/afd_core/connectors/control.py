@@ -2,7 +2,7 @@
 
 It is the only thing that wakes an FFN rank, and it tells it how many rows each micro-batch
 of this attention rank carries, so the FFN side knows every tensor shape before the first
-layer arrives. Wire format (version 1): a fixed-length vector of int64
+layer arrives. Wire format (version 2, VERSION): a fixed-length vector of int64
 
     [MAGIC, VERSION, sender_rank, step, flags, num_microbatches, hidden_size, dtype_code,
      tokens[0], ..., tokens[MAX_MICROBATCHES - 1]]
