@@ -21,6 +21,7 @@ places anything; the spec's hosts place DP ranks instead (docs/deploy.md, Ray).
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from afd_plugin.deploy_spec import Deployment, HostCommand, SpecError, commands,
 from afd_plugin.launcher import ServerError
 
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # Ray's names for the accelerators
+ACTOR_START_S = 300.0  # a Ray worker process to start and import afd_plugin, on a busy node
 
 
 def add_arguments(parser) -> None:
@@ -135,6 +137,7 @@ class RayServer:
             .options(**options, scheduling_strategy=strategy, name=None, max_restarts=0)
             .remote(s.name, s.argv, s.address, s.port, s.env, str(self._log_dir))
         )
+        self.call("poll", timeout=ACTOR_START_S)  # the actor is up and its process started
         return self
 
     def call(self, method: str, *args, timeout: float = 60.0):
@@ -207,6 +210,9 @@ def main(args) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Ray would start the actors under the driver's `uv run` (its py_executable and working
+    # dir: a sync per worker); the servers run on each node's own installed afd-plugin
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
