@@ -35,3 +35,17 @@ def test_the_table_names_devices_totals_units_and_what_capped_the_batch(capsys):
     assert co[1][:4] == ["8", "1", "1", "memory"]  # 1/8 of the experts leaves room for 1
     tokens = float(co[1][5]) * 8
     assert co[1][6] == f"{tokens:,.0f}"
+
+
+def test_the_cli_exits_2_naming_a_bad_config(tmp_path, capsys):
+    """A bad config through the command line (here: afd-core's own CI lane has no afd_plugin)."""
+    from afd_plugin.cli import main
+    from tests.afd_core.test_planner_model_config import QWEN3_MOE, _write
+
+    path = _write(tmp_path, QWEN3_MOE | {"num_hidden_layers": "forty-eight"})
+    assert main(["plan", "--model", path, "--hardware", "h200", "--tpot-ms", "50",
+                 "--context", "4096"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith(f"afd plan: model config {path}: field 'num_hidden_layers' = ")
+    assert '"forty-eight" is invalid; allowed: an integer in [1, 1024]' in err
+    assert "Traceback" not in err
