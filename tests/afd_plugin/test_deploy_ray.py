@@ -63,14 +63,14 @@ def test_a_spec_host_that_is_no_live_node_is_named():
         {"NodeManagerAddress": "198.18.7.3", "Alive": False},
     ]
     with pytest.raises(SpecError) as err:
-        check_nodes(d, nodes)
+        check_nodes(d, commands(d, []), nodes)
     assert str(err.value) == (
         "afd ray: host 'a1' (198.18.7.3) is not a live node of the Ray cluster; its nodes: "
         "198.18.7.1, 198.18.7.2 (start Ray there with `ray start --address HEAD:PORT "
         "--node-ip-address 198.18.7.3`)"
     )
     nodes[2]["Alive"] = True
-    check_nodes(d, nodes)
+    check_nodes(d, commands(d, []), nodes)
 
 
 def test_afd_ray_refuses_a_bad_spec_before_connecting(tmp_path, capsys):

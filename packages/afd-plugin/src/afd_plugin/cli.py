@@ -25,6 +25,17 @@ def versions() -> str:
     return "\n".join(out)
 
 
+class _Version(argparse.Action):
+    """`afd --version`: the versions are looked up when asked, not for every command."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the AFD packages' versions")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit()
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's default in its help, unless the help says it or there is none; the
     examples (epilog) as written."""
@@ -64,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # --version: a line each
         epilog="`afd COMMAND --help` for each command's options and defaults",
     )
-    parser.add_argument("--version", action="version", version=versions())
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(
         dest="command",
         metavar="COMMAND",

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_core.connectors.options import GlooOptions
 from afd_plugin.deploy_spec import (
     Deployment,
@@ -37,7 +38,6 @@ from afd_plugin.deploy_spec import (
 SECRET_KEY = "secret"  # the key of the deployment secret in its Secret
 SECRET_DIR = "/etc/afd-secret"
 SECRET_PATH = f"{SECRET_DIR}/{SECRET_KEY}"
-MIN_SECRET_BYTES = 16  # afd_core.connectors.gate.deployment_secret's bound
 POD_IP = "$(POD_IP)"
 LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 # stands for each host's address in the argv and env commands() builds; replaced by

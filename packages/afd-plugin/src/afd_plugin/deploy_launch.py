@@ -91,8 +91,7 @@ def host_processes(d: Deployment, host: str, log_dir: Path) -> list[HostProcess]
     for c in commands(d, MODULE_SERVE):
         if c.host != host:
             continue
-        name = c.server if c.api_port else f"{c.server}-headless"
-        out.append(HostProcess(_ProcessSpec(name, c.argv, address, c.api_port, c.env), log_dir))
+        out.append(HostProcess(_ProcessSpec(c.name, c.argv, address, c.api_port, c.env), log_dir))
     return out
 
 

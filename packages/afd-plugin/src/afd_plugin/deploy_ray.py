@@ -26,7 +26,7 @@ import socket
 import sys
 from pathlib import Path
 
-from afd_plugin.deploy_launch import HostProcess, _ProcessSpec, serve
+from afd_plugin.deploy_launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
 from afd_plugin.deploy_spec import Deployment, HostCommand, SpecError, commands, load_spec
 from afd_plugin.launcher import ServerError
 
@@ -73,8 +73,8 @@ class ServerProcess:
     """On a Ray node: one process of the spec, started when the actor is made."""
 
     def __init__(self, name: str, argv: list[str], address: str, port, env: dict, log_dir):
-        serve_here = [sys.executable, "-m", "afd_plugin.vllm_serve"]
-        spec = _ProcessSpec(name, [*serve_here, *argv], address, port, env)
+        # MODULE_SERVE: this node's Python (deploy_launch is imported in the actor's process)
+        spec = _ProcessSpec(name, [*MODULE_SERVE, *argv], address, port, env)
         self.server = _NodeProcess(spec, Path(log_dir))
         self.server.start()
 
@@ -107,13 +107,14 @@ class _RemoteProc:
 class RayServer:
     """The driver's handle of one process in its bundle, as launcher.running takes it."""
 
-    def __init__(self, d: Deployment, c: HostCommand, pg, index: int, log_dir: Path):
-        name = c.server if c.api_port else f"{c.server}-headless"
+    def __init__(
+        self, d: Deployment, c: HostCommand, resources: dict, pg, index: int, log_dir: Path
+    ):
         address = d.spec.hosts[c.host].address
-        self.spec = _ProcessSpec(name, c.argv, address, c.api_port, c.env)
+        self.spec = _ProcessSpec(c.name, c.argv, address, c.api_port, c.env)
         self.host = c.host
-        self.resources = bundle(d, c)
-        self.log_path = f"{log_dir / (name + '.log')} on {c.host} ({address})"
+        self.resources = resources  # its bundle of the placement group
+        self.log_path = f"{log_dir / (c.name + '.log')} on {c.host} ({address})"
         self._pg, self._index, self._log_dir = pg, index, log_dir
         self.actor = None
         self.proc = _RemoteProc(self)
@@ -175,10 +176,10 @@ class RayServer:
             ray.kill(self.actor)
 
 
-def check_nodes(d: Deployment, nodes: list[dict]) -> None:
-    """Every spec host that runs something is a live node of the cluster."""
+def check_nodes(d: Deployment, cmds: list[HostCommand], nodes: list[dict]) -> None:
+    """Every spec host that runs one of `cmds` is a live node of the cluster."""
     alive = sorted(n["NodeManagerAddress"] for n in nodes if n.get("Alive"))
-    used = {c.host for c in commands(d, [])}
+    used = {c.host for c in cmds}
     for host in sorted(used):
         address = d.spec.hosts[host].address
         if address not in alive:
@@ -232,9 +233,9 @@ def main(args) -> int:
         return 2
     pg = None
     try:
-        check_nodes(d, ray.nodes())
-        log_dir = Path(args.log_dir).absolute()
         cmds = commands(d, [])
+        check_nodes(d, cmds, ray.nodes())
+        log_dir = Path(args.log_dir).absolute()
         bundles = [bundle(d, c) for c in cmds]
         pg = placement_group(bundles, strategy="PACK")
         try:
@@ -248,7 +249,10 @@ def main(args) -> int:
                 f"{args.placement_timeout:.0f}s; bundles: {wanted}; cluster resources "
                 f"available: {ray.available_resources()}"
             ) from None
-        servers = [RayServer(d, c, pg, i, log_dir) for i, c in enumerate(cmds)]
+        servers = [
+            RayServer(d, c, b, pg, i, log_dir)
+            for i, (c, b) in enumerate(zip(cmds, bundles, strict=True))
+        ]
         for s in servers:
             print(
                 f"placing {s.spec.name} on {s.host} ({s.spec.address}): {s.resources}; log {s.log_path}"

@@ -299,6 +299,11 @@ class HostCommand:
     role: str
     devices: int  # accelerators it drives: TP x its data-parallel ranks
 
+    @property
+    def name(self) -> str:
+        """The process's name (its log's): the server's, `-headless` for a headless part."""
+        return self.server if self.api_port else f"{self.server}-headless"
+
 
 def afd_config(d: Deployment, plan: ServerPlan) -> dict:
     return {

@@ -32,6 +32,7 @@ GREETING = b"AFDGATE1"
 NONCE = 32
 MAC = 32
 HANDSHAKE_S = 5.0
+MIN_SECRET_BYTES = 16  # after stripping whitespace
 
 
 class GateError(RuntimeError):
@@ -64,10 +65,10 @@ def deployment_secret() -> bytes | None:
         secret, where = value.strip().encode(), SECRET_ENV
     else:
         return None
-    if len(secret) < 16:
+    if len(secret) < MIN_SECRET_BYTES:
         raise AFDConfigError(
             f"the deployment secret from {where} has {len(secret)} bytes; allowed: at least "
-            "16 (e.g. `openssl rand -hex 32`)",
+            f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)",
             SECRET_ENV,
         )
     return secret
