@@ -81,6 +81,10 @@ def run_deployment(a, f, counts_by_rank):
         (2, 1, {0: [3, 0, 4], 1: [1, 6, 0]}),  # uneven, and a rank with no tokens
         (4, 2, {0: [2, 1], 1: [0, 3], 2: [5, 5], 3: [1, 0]}),
         (2, 2, {0: [4, 2], 1: [3, 0]}),
+        # any A >= F: blocks of attention ranks differing by at most one
+        (3, 2, {0: [2, 1], 1: [0, 3], 2: [5, 2]}),
+        (5, 2, {r: [r + 1, 5 - r] for r in range(5)}),
+        (7, 3, {r: [r % 3, r + 1] for r in range(7)}),
     ],
 )
 def test_shapes(a, f, counts):

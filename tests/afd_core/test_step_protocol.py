@@ -173,8 +173,10 @@ def deploy(a, f, steps_by_rank, layers=3, timeout=20.0, ffn_fail=(), attn_fail=N
         ),
         # four FFN ranks, two peers each; every group with its own m and zero rows
         (8, 4, {r: [(r % 3 + 1,) * (r % 4 + 1), (0,) * (r % 2) + (r + 1,)] for r in range(8)}),
+        # F does not divide A: FFN rank 0 serves two peers, FFN rank 1 one
+        (3, 2, {0: [(2, 2), (1,)], 1: [(0, 3, 1), (4,)], 2: [(1,), (1, 1, 1, 1)]}),
     ],
-    ids=["1A1F", "2A1F", "4A2F", "8A4F"],
+    ids=["1A1F", "2A1F", "4A2F", "8A4F", "3A2F"],
 )
 def test_microbatches_every_m_and_shape(a, f, steps):
     results = deploy(a, f, steps)

@@ -30,6 +30,17 @@ def test_the_example_spec_derives_ranks_and_rendezvous():
     assert [(p.spec.name, p.start_rank) for p in d.servers] == [("ffn0", 0), ("attention0", 0)]
 
 
+def test_attention_ranks_need_not_be_a_multiple_of_ffn_ranks():
+    """3A2F: FFN rank 0 serves attention ranks 0 and 1, FFN rank 1 serves rank 2."""
+    raw = example()
+    raw["servers"].append({"name": "ffn1", "role": "ffn", "port": 8101, "hosts": "f"})
+    raw["servers"][1].update(
+        data_parallel_size=3, hosts=[{"host": "a0", "ranks": 2}, {"host": "a1", "ranks": 1}]
+    )
+    d = check_spec(raw)
+    assert (d.num_attention_ranks, d.num_ffn_ranks) == (3, 2)
+
+
 def test_a_server_spanning_hosts_gets_vllms_multi_node_flags():
     d = check_spec(example())
     cmds = commands(d, ["vllm", "serve"])

@@ -138,7 +138,7 @@ def test_doctor_without_vllm_fails_with_the_reason():
 def test_demo_rejects_bad_options():
     for args, needle in (
         (["--shape", "1A2F"], "num_attention_ranks=1 < num_ffn_ranks=2"),
-        (["--shape", "3A2F"], "num_attention_ranks=3 is not a multiple of num_ffn_ranks=2"),
+        (["--shape", "2A3F"], "num_attention_ranks=2 < num_ffn_ranks=3"),
         (["--shape", "x"], "expected <A>A<F>F"),
         (["--max-tokens", "0"], "allowed 1 or more"),
     ):

@@ -24,13 +24,14 @@ pytestmark = pytest.mark.e2e
 ARCH = "qwen3_moe"
 
 
-def test_four_attention_ranks_on_three_servers_two_ffn_servers_one_over_tp2(checkpoints, log_dir):
-    """Attention servers of 1, 1 and 2 data-parallel ranks (ranks 0, 1, 2-3); FFN server 0
-    (FFN rank 0, tensor parallel 2) serves ranks 0 and 1, which are on two servers that step
-    on their own; FFN server 1 serves ranks 2 and 3, one server's DP ranks in lockstep."""
+def test_three_attention_ranks_on_two_servers_two_ffn_servers_one_over_tp2(checkpoints, log_dir):
+    """3A2F (F does not divide A): attention servers of 1 and 2 data-parallel ranks (ranks 0,
+    1-2); FFN server 0 (FFN rank 0, tensor parallel 2) serves the block of ranks 0 and 1,
+    which are on two servers that step on their own; FFN server 1 serves rank 2 alone, the
+    other DP rank of a server whose ranks step in lockstep over two FFN ranks."""
     model = str(checkpoints(ARCH))
     afd = scale_out_deployment(
-        model, log_dir, attention=[1, 1, 2], ffn=[2, 1], env=DEV_MODE, tag=f"{ARCH}-4a2f-"
+        model, log_dir, attention=[1, 2], ffn=[2, 1], env=DEV_MODE, tag=f"{ARCH}-3a2f-"
     )
     servers = with_reference(ARCH, model, log_dir, afd)
     with running(servers, timeout=600):

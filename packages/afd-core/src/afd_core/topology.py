@@ -2,7 +2,11 @@
 
 The AFD world puts the FFN ranks first, then the attention ranks:
 world rank i < F is FFN rank i; world rank F + j is attention rank j.
-FFN rank k serves the A/F consecutive attention ranks k*A/F ... k*A/F + A/F - 1.
+Any A >= F: FFN rank k serves a contiguous block of attention ranks, the blocks in rank
+order, sizes differing by at most one, the larger first. With q = A // F and r = A % F,
+FFN ranks 0..r-1 serve q + 1 each and FFN ranks r..F-1 serve q each (docs/protocol.md):
+3A2F is {0: [0, 1], 1: [2]}, 7A3F {0: [0, 1, 2], 1: [3, 4], 2: [5, 6]}. For A a multiple
+of F that is the equal split k*A/F ... (k+1)*A/F - 1.
 """
 
 from __future__ import annotations
@@ -24,25 +28,20 @@ def validate_point_to_point(num_attention_ranks: int, num_ffn_ranks: int) -> Non
             f"num_attention_ranks={a} < num_ffn_ranks={f}: point-to-point connectors need "
             "at least as many attention ranks as FFN ranks (A >= F)"
         )
-    if a % f:
-        raise TopologyError(
-            f"num_attention_ranks={a} is not a multiple of num_ffn_ranks={f}: point-to-point "
-            "connectors give every FFN rank the same number of attention peers (A % F == 0)"
-        )
 
 
 def ffn_layout(num_attention_devices: int, num_ffn_devices: int, platform: str) -> tuple[int, int]:
     """(FFN ranks, tensor-parallel devices per FFN rank) that serve A attention ranks with
-    F FFN devices, or TopologyError why none can. F <= A: F FFN ranks, A a multiple of F
+    F FFN devices, or TopologyError why none can. F <= A: F FFN ranks, one device each
     (validate_point_to_point). F > A: fewer FFN ranks of several tensor-parallel devices
-    each, the most ranks dividing both, on CPU only (FFN tensor parallelism is rejected on
+    each, the most ranks (at most A) that divide F, on CPU only (FFN tensor parallelism is rejected on
     CUDA and Ascend, docs/cuda.md). The planner (afd_core.planner.search) and `afd plan
     --write-spec` ask this one function."""
     a, f = num_attention_devices, num_ffn_devices
     if f <= a:
         validate_point_to_point(a, f)
         return f, 1
-    ranks = max(r for r in range(1, a + 1) if a % r == 0 and f % r == 0)
+    ranks = max(r for r in range(1, a + 1) if f % r == 0)
     if platform != "cpu":
         raise TopologyError(
             f"{a}A{f}F needs {f} FFN devices over at most {ranks} FFN rank(s), that is FFN "
@@ -63,9 +62,11 @@ class Topology:
     def world_size(self) -> int:
         return self.num_attention_ranks + self.num_ffn_ranks
 
-    @property
-    def peers_per_ffn_rank(self) -> int:
-        return self.num_attention_ranks // self.num_ffn_ranks
+    def _block(self, ffn_rank: int) -> tuple[int, int]:
+        """FFN rank k's attention ranks: [start, stop)."""
+        q, r = divmod(self.num_attention_ranks, self.num_ffn_ranks)
+        start = ffn_rank * q + min(ffn_rank, r)
+        return start, start + q + (ffn_rank < r)
 
     def _check(self, kind: str, rank: int, size: int) -> None:
         if not 0 <= rank < size:
@@ -82,10 +83,13 @@ class Topology:
 
     def ffn_rank_of(self, attention_rank: int) -> int:
         self._check("attention", attention_rank, self.num_attention_ranks)
-        return attention_rank // self.peers_per_ffn_rank
+        q, r = divmod(self.num_attention_ranks, self.num_ffn_ranks)
+        big = r * (q + 1)  # the attention ranks in the r blocks of q + 1
+        if attention_rank < big:
+            return attention_rank // (q + 1)
+        return r + (attention_rank - big) // q
 
     def peers_of(self, ffn_rank: int) -> list[int]:
         """The attention ranks FFN rank `ffn_rank` serves, in the order it concatenates them."""
         self._check("ffn", ffn_rank, self.num_ffn_ranks)
-        n = self.peers_per_ffn_rank
-        return list(range(ffn_rank * n, ffn_rank * n + n))
+        return list(range(*self._block(ffn_rank)))

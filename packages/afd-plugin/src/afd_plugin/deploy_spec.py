@@ -275,11 +275,11 @@ def check_spec(raw: dict) -> Deployment:
             f"{rendezvous_host!r} (FFN rank 0's) is taken by {used[(rendezvous_host, spec.rendezvous_port)]}"
         )
     a, f = next_rank["attention"], next_rank["ffn"]
-    if a < f or a % f:
+    if a < f:
         raise SpecError(
             f"deployment spec: the servers hold {a} attention rank(s) and {f} FFN rank(s); "
-            "allowed: attention ranks a multiple of FFN ranks (each FFN rank serves "
-            "attention ranks / FFN ranks of them)"
+            "allowed: at least as many attention ranks as FFN ranks (every FFN rank serves "
+            "a block of one or more attention ranks)"
         )
     return Deployment(spec, plans, a, f, rendezvous_host)
 

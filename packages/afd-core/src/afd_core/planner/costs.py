@@ -95,8 +95,8 @@ def transfer_times(
     devices_total: int | None = None,
 ) -> tuple[float, float]:
     """(latency, link occupancy) in seconds of one direction for one micro-batch: an
-    attention device sends its rows, an FFN device receives its share from all of them
-    (the busier end sets the occupancy). Of `devices_total` devices, the share outside a
+    attention device sends its rows, an FFN device receives from the attention devices it
+    serves, the busiest from ceil(A/F) of them (the busier end sets the occupancy). Of `devices_total` devices, the share outside a
     device's scale-up domain goes over the scale-out link, beside the rest (the slower of
     the two sets the occupancy, the scale-out latency the latency); AFD: attention + FFN
     devices (the default), colocated EP: its devices."""
@@ -104,7 +104,14 @@ def transfer_times(
         return 0.0, 0.0
     per_token = model.hidden_size * model.wire_bytes * dispatch_fanout(model.top_k, ffn_devices)
     send = rows_per_attention * per_token
-    receive = attention_devices * rows_per_attention * per_token / ffn_devices
+    # A >= F: FFN rank k receives from a block of attention ranks, the largest ceil(A/F)
+    # (topology.Topology); F > A: FFN tensor parallelism, each device its share
+    senders = (
+        -(-attention_devices // ffn_devices)
+        if attention_devices >= ffn_devices
+        else attention_devices / ffn_devices
+    )
+    receive = senders * rows_per_attention * per_token
     volume = max(send, receive)
     remote = hw.remote_fraction(devices_total or attention_devices + ffn_devices)
     if not remote:
