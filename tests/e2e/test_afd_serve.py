@@ -2,8 +2,9 @@
 with and without micro-batches (DBO), and survives a failed step.
 
 Per architecture: a colocated server with a 1 attention : 1 FFN deployment, then one
-attention server with two data-parallel ranks and one FFN server (2A1F for DeepSeek-V2;
-2A2F for Qwen3-MoE, its FFN server's two data-parallel ranks one expert group); each deployment is
+attention server with two data-parallel ranks and one FFN server (2A1F for DeepSeek-V2, its
+attention ranks stepping independently: async DP; 2A2F for Qwen3-MoE, its FFN server's two
+data-parallel ranks one expert group, so its attention ranks in lockstep); each deployment is
 started once and answers several tests. fp32 greedy. The attention servers start
 DBO-capable and change m at run time through vLLM's dev endpoint, so one deployment answers
 m = 1, 2 and 4.
@@ -50,6 +51,7 @@ from tests.e2e.conftest import (
     rpc,
     run_batch,
     run_prompts,
+    steps_on_one_rank,
 )
 from tests.e2e.conftest import (
     COLOCATED_ALONE as _ALONE,
@@ -61,7 +63,7 @@ pytestmark = pytest.mark.e2e
 STEP_TIMEOUT_S = 30  # connector timeout_s: a hang would fail within this
 
 
-def afd_pair(model, arch, log_dir, tag, dp=1, env=None, ffn_ranks=1):
+def afd_pair(model, arch, log_dir, tag, dp=1, env=None, ffn_ranks=1, afd_extra=None):
     d = local_deployment(
         model,
         log_dir,
@@ -70,7 +72,7 @@ def afd_pair(model, arch, log_dir, tag, dp=1, env=None, ffn_ranks=1):
         attention_backend=BACKENDS[arch],
         attention_args=DBO_ARGS,
         env={**DEV_MODE, **(env or {})},
-        afd_extra={"connector_extra_config": {"timeout_s": STEP_TIMEOUT_S}},
+        afd_extra={"connector_extra_config": {"timeout_s": STEP_TIMEOUT_S}, **(afd_extra or {})},
         tag=f"{arch}-{tag}-",
     )
     return d["ffn"], d["attention"]
@@ -295,9 +297,11 @@ def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_t
     assert "lost FFN rank 0" in log and "closed the connection" in log, d.att.log_tail(60)
 
 
-# DeepSeek-V2: 2A1F. Qwen3-MoE: 2A2F, the FFN server's two data-parallel ranks running the
-# MoE layers as one expert group (vLLM's DP MoE: experts sharded over both FFN ranks)
+# DeepSeek-V2: 2A1F with async DP (the attention DP ranks step independently). Qwen3-MoE:
+# 2A2F, the FFN server's two data-parallel ranks running the MoE layers as one expert group
+# (vLLM's DP MoE: experts sharded over both FFN ranks), so its attention ranks in lockstep
 FFN_RANKS = {"deepseek_v2": 1, "qwen3_moe": 2}
+ASYNC_DP = {"deepseek_v2": True, "qwen3_moe": False}
 
 
 def settled_stats(ffn, timeout_s: float = 10.0) -> dict:
@@ -315,8 +319,10 @@ def settled_stats(ffn, timeout_s: float = 10.0) -> dict:
 @pytest.mark.parametrize("arch", list(BACKENDS))
 def test_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
     model = str(checkpoints(arch))
-    f = FFN_RANKS[arch]
-    ffn, att = afd_pair(model, arch, log_dir, f"2a{f}f", dp=2, ffn_ranks=f)
+    f, async_dp = FFN_RANKS[arch], ASYNC_DP[arch]
+    ffn, att = afd_pair(
+        model, arch, log_dir, f"2a{f}f", dp=2, ffn_ranks=f, afd_extra={"async_dp": async_dp}
+    )
     servers = [ffn, att]
     if arch not in _ALONE:  # run alone: start the colocated reference alongside
         servers.insert(0, colocated_server(model, arch, log_dir))
@@ -341,3 +347,12 @@ def test_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
             assert stats["group_steps"] == stats["steps"] > 0 and stats["failed"] == 0, stats
             # FFN rank 0 counts it for the group, whichever member had no rows
             assert stats["group_zero_row_microbatches"] > 0, stats
+        # requests on DP rank 0 only: in lockstep rank 1 runs a dummy forward (an AFD step)
+        # whenever rank 0 steps; with async DP it runs none
+        set_m(att, 1)
+        steps = steps_on_one_rank(att.url, 0, PROMPTS[:2])
+        assert steps.get(0, 0) >= MAX_TOKENS, steps
+        if async_dp:
+            assert steps.get(1, 0) == 0, steps
+        else:
+            assert steps.get(1, 0) >= MAX_TOKENS, steps

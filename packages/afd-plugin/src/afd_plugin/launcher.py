@@ -342,9 +342,16 @@ class Completion:
 
 
 def complete(
-    url: str, prompt: str, max_tokens: int, *, timeout: float = 300.0, ignore_eos: bool = True
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    timeout: float = 300.0,
+    ignore_eos: bool = True,
+    data_parallel_rank: int | None = None,
 ) -> Completion:
-    """One greedy completion with the sampled tokens' ids and logprobs."""
+    """One greedy completion with the sampled tokens' ids and logprobs; on one
+    data-parallel rank if given (vLLM's X-data-parallel-rank header)."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -354,10 +361,11 @@ def complete(
         "return_token_ids": True,
         "ignore_eos": ignore_eos,
     }
+    headers = {"Content-Type": "application/json"}
+    if data_parallel_rank is not None:
+        headers["X-data-parallel-rank"] = str(data_parallel_rank)
     req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        url + "/v1/completions", data=json.dumps(body).encode(), headers=headers
     )
     t0 = time.perf_counter()
     try:

@@ -89,6 +89,10 @@ class AFDConnector(ABC):
         self.config = config
         self.role_rank = role_rank
         self.wire = wire
+        # attention: the first of the attention ranks that step together with this one (its
+        # server's ranks in lockstep; with async_dp its DP rank's TP ranks, set by the
+        # role); its FFN rank waits for all of them once one announces a step
+        self.steps_with = config.start_rank
 
     @property
     @abstractmethod

@@ -228,9 +228,10 @@ class StartupMembership:
             # each side's own --max-num-batched-tokens: not compared, it bounds what the
             # FFN rank accepts from that peer in one micro-batch
             "max_tokens": self.wire.max_tokens,
-            # which attention server this rank belongs to (its first rank): the ranks of one
-            # server step together, two servers on their own
-            "server": self.config.start_rank,
+            # the first rank of the attention ranks this one steps together with: one
+            # server's ranks (its start rank), or one DP rank's with async_dp; two such
+            # groups step on their own
+            "server": self.steps_with,
         }
 
     def _take_hello(self, i: int, theirs: dict) -> None:

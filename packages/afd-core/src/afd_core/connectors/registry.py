@@ -68,14 +68,11 @@ class ConnectorSpec:
         self.extra_rules(config)
 
 
-def _lockstep_rules(config: AFDConfig) -> None:
-    if config.async_dp:
-        raise AFDConfigError(
-            f"afd config: async_dp=True is not supported by connector {config.connector!r} "
-            "(it steps attention ranks in lockstep); allowed: false",
-            "async_dp",
-            True,
-        )
+# Every connector here allows afd.async_dp: the protocol logic they share assembles each FFN
+# step from whichever peers announced one (ffn_assembly.py), waiting only for the ranks that
+# step together with those (one lockstep attention server, or one DP rank's TP ranks), and
+# each transport matches operations per peer pair, so peers that step on their own never
+# wait for each other. An FFN expert group cannot serve them (start-up check_peers).
 
 
 _SPECS: dict[str, ConnectorSpec] = {
@@ -85,7 +82,6 @@ _SPECS: dict[str, ConnectorSpec] = {
         device_types=("cpu",),
         description="CPU tensors over torch.distributed gloo (TCP), AFD's own process groups",
         options=GlooOptions,
-        extra_rules=_lockstep_rules,
     ),
     "nccl": ConnectorSpec(
         name="nccl",
@@ -94,7 +90,6 @@ _SPECS: dict[str, ConnectorSpec] = {
         description="CUDA tensors over NCCL point-to-point (vLLM's PyNccl), one communicator "
         "per direction; control on a CPU gloo channel",
         options=NcclOptions,
-        extra_rules=_lockstep_rules,
     ),
     "hccl": ConnectorSpec(
         name="hccl",
@@ -104,7 +99,6 @@ _SPECS: dict[str, ConnectorSpec] = {
         description="Ascend NPU tensors over HCCL point-to-point (torch_npu's "
         "ProcessGroupHCCL), one communicator per direction; control on a CPU gloo channel",
         options=HcclOptions,
-        extra_rules=_lockstep_rules,
     ),
 }
 

@@ -13,6 +13,8 @@ socket exists. For a config with an `afd` key it:
 * maps worker class `auto` to the AFD worker of the role; an explicit `--worker-cls` that
   is not that worker is an error naming both;
 * on the FFN role, turns prefix caching off (an engine with no KV cache groups needs it off);
+* on an attention server with `afd.async_dp` and data parallelism, makes its DP ranks
+  independent engines (patches async_dp_engine and async_dp_forward_context);
 * resolves micro-batching (DBO) before the platform sees vLLM's flags (the CPU platform
   drops `--enable-dbo` with a warning; vLLM's own micro-batching is CUDA-only and needs a
   DeepEP all2all backend): an attention server's m comes from `afd.num_microbatches`, else
@@ -332,6 +334,16 @@ def prepare_afd_config(device_type: str, vllm_config):
     pc.ubatch_size = 0
     if afd.is_ffn:
         _prefix_caching_off(vllm_config)
+    if afd.is_attention and afd.async_dp and pc.data_parallel_size > 1:
+        from afd_core.patches import async_dp_engine, async_dp_forward_context
+
+        async_dp_engine.make_independent(vllm_config)
+        async_dp_forward_context.skip_dp_metadata(vllm_config)
+        logger.info(
+            "AFD: async DP: the %d data-parallel ranks of this attention server step "
+            "independently (no DP waves, no dummy forwards)",
+            pc.data_parallel_size,
+        )
     return afd, m
 
 

@@ -116,7 +116,8 @@ class ExpertGroup:
                 "served by the attention servers starting at ranks "
                 + ", ".join(map(str, servers))
                 + ". Give each attention server its own FFN server(s), or serve these "
-                "attention ranks from one server with --data-parallel-size"
+                "attention ranks from one server with --data-parallel-size (and "
+                "afd.async_dp false: with it, each DP rank steps on its own)"
             )
 
     def agree(self, plan: StepPlan) -> GroupStep:

@@ -49,6 +49,18 @@ def role_rank(vllm_config, afd, tp_rank: int) -> int:
     return afd.start_rank + pc.data_parallel_index * pc.tensor_parallel_size + tp_rank
 
 
+def steps_with(vllm_config, afd, rank: int) -> int:
+    """The first of the ranks that step together with this one: an attention server's
+    ranks run every forward together (vLLM's DP lockstep), with async_dp only one DP
+    rank's tensor-parallel ranks do. The FFN side's rank is its own."""
+    if afd.is_ffn:
+        return afd.start_rank
+    if afd.async_dp:
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        return rank - (rank - afd.start_rank) % tp
+    return afd.start_rank
+
+
 def torch_dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -112,6 +124,7 @@ class _Role:
     def _connect(self, model) -> None:
         wire = make_wire_spec(self.vllm_config, model)
         self.connector = build_connector(self.config, self.rank, wire)
+        self.connector.steps_with = steps_with(self.vllm_config, self.config, self.rank)
         self.connector.init()
 
 

@@ -1,0 +1,147 @@
+"""Lockstep vs async DP: an attention server of two data-parallel ranks (2A1F) under skewed
+load, time per output token and throughput, in one run, on one model.
+
+Qwen3-MoE hidden 1024, 16 experts top-2, 4 layers, fp32, random weights. Two deployments
+run side by side, identical but for `afd.async_dp`: one attention server with
+--data-parallel-size 2, one FFN server. Each request is sent to one DP rank (vLLM's
+X-data-parallel-rank header). Loads:
+
+- one rank busy: B requests on DP rank 0, none on rank 1. In lockstep rank 1 runs a dummy
+  forward (a full AFD step through the FFN rank) for every step of rank 0.
+- uneven prompts: rank 1 decodes B short requests while rank 0 serves a stream of long
+  prompts, prefill only (one output token each). In lockstep every decode step of rank 1
+  is a step of the DP wave, so it waits for rank 0's prefill steps.
+
+Time per output token of a request = (t(short + N tokens) - t(short tokens)) / N, the
+median over the requests of the measured rank; throughput = output tokens of the measured
+rank / wall time. The deployments alternate per repetition; the table prints medians and
+async / lockstep ratios.
+
+All servers share this machine's cores: it shows what the code does, not what separate
+devices would give (see the README).
+
+    uv run --no-sync python benchmarks/async_dp.py [--batch 8] [--tokens 32] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PROMPT = "Attention and the feed-forward network"
+LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
+SHORT = 4
+
+
+def run_load(url: str, measured: list[str], tokens: int, background: list[str]) -> tuple:
+    """Requests `measured` on DP rank (load: rank 0 or 1), while `background` prompts run
+    one after another on the other rank until the measured ones end. Returns (seconds of
+    each measured request, wall seconds)."""
+    from afd_plugin.launcher import complete
+
+    rank = 1 if background else 0
+    seconds: list[float] = [0.0] * len(measured)
+    done = threading.Event()
+
+    def one(i: int) -> None:
+        seconds[i] = complete(url, measured[i], tokens, data_parallel_rank=rank).seconds
+
+    def stream() -> None:
+        i = 0
+        while not done.is_set():
+            complete(url, background[i % len(background)], 1, data_parallel_rank=0)
+            i += 1
+
+    side = threading.Thread(target=stream) if background else None
+    if side:
+        side.start()
+        time.sleep(0.5)  # the stream is under way before the measured requests arrive
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(measured))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done.set()
+    if side:
+        side.join()
+    return seconds, wall
+
+
+def measure(url: str, batch: int, tokens: int, uneven: bool) -> tuple[float, float]:
+    """(TPOT seconds, output tokens per second) of the measured rank."""
+    prompts = [f"{PROMPT} {i}" for i in range(batch)]
+    background = [f"{LONG_PROMPT} {i}" for i in range(4)] if uneven else []
+    short, _ = run_load(url, prompts, SHORT, background)
+    long, wall = run_load(url, prompts, SHORT + tokens, background)
+    tpot = statistics.median((b - a) / tokens for a, b in zip(short, long, strict=True))
+    return tpot, batch * (SHORT + tokens) / wall
+
+
+def main() -> int:
+    from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
+    from afd_plugin.launcher import local_deployment, running
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    for flag, value in (("--batch", a.batch), ("--tokens", a.tokens), ("--reps", a.reps)):
+        if value < 1:
+            ap.error(f"{flag} {value}: allowed 1 or more")
+    spec = BENCHMARK_MOE
+    model = str(tiny_checkpoint(spec))
+    logs = Path(tempfile.mkdtemp(prefix="afd-async-dp-"))
+    common = ["--max-num-seqs", str(max(a.batch, 8)), "--max-model-len", "512"]
+    deployments = {}
+    for name, async_dp in (("lockstep", False), ("async", True)):
+        d = local_deployment(
+            model, logs, attention_ranks=2, afd_extra={"async_dp": async_dp}, tag=f"{name}-"
+        )
+        for s in d.values():
+            s.spec.extra_args += common
+        deployments[name] = d
+    servers = [s for d in deployments.values() for s in (d["ffn"], d["attention"])]
+    loads = {"one rank busy": False, "uneven prompts": True}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    with running(servers, timeout=900):
+        for d in deployments.values():  # warm up both ranks
+            for rank in (0, 1):
+                from afd_plugin.launcher import complete
+
+                complete(d["attention"].url, PROMPT, 4, data_parallel_rank=rank)
+        for _ in range(a.reps):
+            for load, uneven in loads.items():
+                for name, d in deployments.items():
+                    got = measure(d["attention"].url, a.batch, a.tokens, uneven)
+                    results.setdefault((load, name), []).append(got)
+    print(
+        f"Qwen3-MoE hidden {spec.hidden_size}, {spec.num_experts} experts top-{spec.top_k}, "
+        f"{spec.num_layers} layers, fp32; 2A1F (attention DP 2); batch {a.batch} on the "
+        f"measured rank, {a.tokens} tokens, median of {a.reps}; every server shares this "
+        "machine's cores"
+    )
+    print("load | DP | TPOT ms | tokens/s | TPOT async/lockstep | throughput async/lockstep")
+    for load in loads:
+        med = {
+            name: tuple(statistics.median(r[i] for r in results[(load, name)]) for i in (0, 1))
+            for name in deployments
+        }
+        for name, (tpot, tput) in med.items():
+            ratios = ""
+            if name == "async":
+                lock = med["lockstep"]
+                ratios = f" | {tpot / lock[0]:.2f} | {tput / lock[1]:.2f}"
+            print(f"{load} | {name} | {tpot * 1e3:.2f} | {tput:.1f}{ratios}")
+    print(f"logs: {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
