@@ -45,15 +45,24 @@ class BaseRunner:
 @pytest.fixture
 def runner():
     from afd_core.step.split import SplitPolicy
-    from afd_core.step.wrapper import StepKind
+    from afd_core.step.wrapper import AttentionStepEngine, StepKind
     from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
 
     class Runner(AFDAttentionRunnerMixin, BaseRunner):
         pass
 
     r = Runner()
-    r.afd_engine = SimpleNamespace(
-        plan=None, kind=StepKind.REAL, policy=SplitPolicy(2, 2, 4), vllm_ubatching=False
+
+    class Engine(SimpleNamespace):
+        plan_step = AttentionStepEngine.plan_step  # the engine's own planning
+
+    r.afd_engine = Engine(
+        plan=None,
+        kind=StepKind.REAL,
+        policy=SplitPolicy(2, 2, 4),
+        vllm_ubatching=False,
+        tuner=None,
+        choice=None,
     )
     return r
 

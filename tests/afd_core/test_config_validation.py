@@ -129,6 +129,8 @@ def test_bad_deployments_fail_at_config_time(engine_config, afd, kw, match):
         ({"num_microbatches": 4}, {"enable_dbo": True}, 4),
         ({"num_microbatches": 3}, {}, 3),
         ({}, {"ubatch_size": 3}, 3),
+        ({"num_microbatches": "auto"}, {}, "auto"),  # chosen per step, up to 4
+        ({"num_microbatches": "Auto"}, {"enable_dbo": True}, "auto"),
     ],
 )
 def test_microbatches_are_resolved_for_afd_and_vllm_dbo_stays_off(engine_config, afd, kw, m):
@@ -146,6 +148,26 @@ def test_microbatches_are_resolved_for_afd_and_vllm_dbo_stays_off(engine_config,
         ({"role": "ffn"}, {"enable_dbo": True}, r"--enable-dbo on an FFN server"),
         ({"role": "ffn", "num_microbatches": 2}, {}, r"afd.num_microbatches=2 on an FFN server"),
         ({"role": "attention", "num_microbatches": 5}, {}, r"num_microbatches=5 is invalid"),
+        (
+            {"role": "ffn", "num_microbatches": "auto"},
+            {},
+            r"afd.num_microbatches=auto on an FFN server",
+        ),
+        (
+            {"role": "attention", "num_microbatches": "auto"},
+            {"ubatch_size": 2},
+            r"--ubatch-size=2 and afd.num_microbatches='auto' disagree",
+        ),
+        (
+            {"role": "attention", "num_microbatches": "auto", "num_attention_ranks": 2},
+            {"tensor_parallel_size": 2},
+            r"'auto' with --tensor-parallel-size=2: each TP rank would measure",
+        ),
+        (
+            {"role": "attention", "num_microbatches": "auto"},
+            {"dbo_decode_token_threshold": 1},
+            r"at least 2 with afd.num_microbatches='auto'",
+        ),
         (
             {"role": "attention", "num_microbatches": 1},
             {"enable_dbo": True},

@@ -106,6 +106,11 @@ def test_disabled_pynccl_and_dense_dbo_with_graphs_under_dp_are_rejected(cuda_ch
     validate_cuda_microbatches(1, cfg)  # no DBO: fine
     monkeypatch.setattr(pc, "is_moe_model", True)
     validate_cuda_microbatches(2, cfg)
+    # m chosen per step cannot work under graphs captured split in two
+    with pytest.raises(
+        Exception, match="'auto' with cudagraph_mode=FULL_DECODE_ONLY.*enforce-eager"
+    ):
+        validate_cuda_microbatches(4, cfg, adaptive=True)
     src = inspect.getsource(
         __import__("vllm.v1.worker.gpu_ubatch_wrapper", fromlist=["x"]).UBatchWrapper.__call__
     )

@@ -216,3 +216,34 @@ def test_the_wrapper_passes_attributes_through_even_model():
     wrapper = AFDStepWrapper(inner, engine=None)
     assert wrapper.model is inner.model and wrapper.model.start_layer == 0
     assert wrapper.compute_logits == "logits" and wrapper.unwrap() is inner
+
+
+def test_auto_microbatches_choose_m_per_step_and_record_each_steps_time(setup):
+    """num_microbatches "auto": the engine asks the tuner for each step's m (at request
+    boundaries, at most one per request), runs it and records the forward's time; every m
+    computes what the unsplit step computes."""
+    import torch
+
+    from afd_core.step.split import SplitPolicy
+
+    engine = setup.engine
+    engine.set_policy(SplitPolicy(4, 2, 2), adaptive=True)
+    ms = []
+    for _ in range(engine.tuner.warmup * 4):
+        engine.plan_step([2, 2, 2, 2])
+        m = len(engine.plan) if engine.plan else 1
+        ms.append(m)
+        meta = [{"layer.0": f"mb{i}"} for i in range(m)] if m > 1 else {"layer.0": "one"}
+        assert torch.equal(setup.forward(meta), expected(8))
+    assert ms[:6] == [1, 1, 1, 2, 2, 2]  # m = 1, then 2 measured (then 3 only if 2 paid)
+    arms = engine.tuner.as_dict()["mixed~8"]["by_microbatches"]
+    assert {int(m): n for m, (n, _) in arms.items() if n} == {m: ms.count(m) for m in set(ms)}
+    assert all(us > 0 for n, us in arms.values() if n)
+    engine.plan_step([5])  # one request: never split, nothing to choose or measure
+    assert engine.plan is None and engine.choice is None
+    engine.set_policy(SplitPolicy(2, 2, 2))  # a fixed m again
+    assert engine.tuner is None
+    engine.set_policy(SplitPolicy(4, 2, 2), adaptive=True)  # back to auto: kept
+    assert engine.tuner.as_dict()["mixed~8"]["steps"] == 12
+    engine.set_policy(SplitPolicy(2, 2, 2), adaptive=True)  # auto up to 2: measured anew
+    assert engine.tuner.as_dict() == {}

@@ -104,7 +104,7 @@ def one_to_one(request, checkpoints, log_dir):
         )
 
 
-def set_m(att, m: int, decode_threshold: int | None = None) -> dict:
+def set_m(att, m: int | str, decode_threshold: int | None = None) -> dict:
     args = [str(m)] + ([str(decode_threshold)] if decode_threshold else [])
     return rpc(att.url, "afd_set_microbatching", *args)[0]
 
@@ -144,6 +144,26 @@ def test_a_batch_below_the_threshold_runs_unsplit(one_to_one):
     run_batch(d.att.url)  # four decodes per step: below 8, unsplit
     # only the prefill (21 tokens, above its threshold of 4) was split
     assert delta(split_steps(d.att), before) == {"1": MAX_TOKENS - 1, "2": 1}
+
+
+def test_auto_microbatches_measure_every_m_then_choose_per_step(one_to_one):
+    """num_microbatches "auto" in a real server: the decode steps of a batch of four run
+    m = 1 and m = 2 three times each (the tuner's warm-up; larger m only while they pay),
+    then the m it measured fastest; every request completes. (Which m wins depends on timing, so the tokens are checked
+    against a fixed reference at the step engine's level, tests/afd_core.)"""
+    d = one_to_one
+    set_m(d.att, 1, decode_threshold=2)
+    before = split_steps(d.att)
+    stats = set_m(d.att, "auto")
+    assert "tuner" in stats
+    out = run_batch(d.att.url)
+    assert [len(c.token_ids) for c in out] == [MAX_TOKENS] * 4
+    ran = delta(split_steps(d.att), before)
+    assert sum(ran.values()) == MAX_TOKENS and "2" in ran, ran
+    tuner = rpc(d.att.url, "afd_step_stats")[0]["tuner"]
+    decode = tuner["decode~4"]["by_microbatches"]
+    assert decode["1"][0] >= 3 and decode["2"][0] >= 3, tuner
+    set_m(d.att, 1)
 
 
 def test_ffn_server_rejects_requests(one_to_one):

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.registry import available_connectors, connector_spec
 from afd_core.errors import AFDConfigError
 
@@ -28,6 +29,8 @@ __all__ = ["AFDConfig", "AFDConfigError", "parse_afd_config", "parse_optional_af
 
 ROLES = ("attention", "ffn")
 AFD_KEY = "afd"
+
+AUTO = "auto"  # num_microbatches chosen per step (afd_core.step.tuner)
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -60,9 +63,24 @@ def _require_str(v: Any) -> Any:
     return v
 
 
+def _coerce_microbatches(v: Any) -> Any:
+    if v is None:
+        return None
+    if isinstance(v, str) and v.strip().lower() == AUTO:
+        return AUTO
+    try:
+        n = _coerce_int(v)
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_MICROBATCHES:
+        raise ValueError(f"expected an integer 1..{MAX_MICROBATCHES} or {AUTO!r}")
+    return n
+
+
 Bool = Annotated[bool, BeforeValidator(_coerce_bool)]
 Int = Annotated[int, BeforeValidator(_coerce_int)]
 Str = Annotated[str, BeforeValidator(_require_str)]
+Microbatches = Annotated[int | Literal["auto"] | None, BeforeValidator(_coerce_microbatches)]
 
 
 class AFDConfig(BaseModel):
@@ -82,8 +100,9 @@ class AFDConfig(BaseModel):
     compute_gate_on_attention: Bool = False
     async_dp: Bool = False
     # micro-batches per step on an attention server (DBO); None: from vLLM's --enable-dbo
-    # (2) / --ubatch-size, else 1. Resolved and checked at start-up (patches/config_validation)
-    num_microbatches: Int | None = Field(default=None, ge=1, le=4)
+    # (2) / --ubatch-size, else 1; "auto": chosen per step in 1..4 from measured steps.
+    # Resolved and checked at start-up (patches/config_validation)
+    num_microbatches: Microbatches = None
     connector_extra_config: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("connector")
@@ -103,6 +122,18 @@ class AFDConfig(BaseModel):
     @property
     def is_ffn(self) -> bool:
         return self.role == "ffn"
+
+    @property
+    def adaptive_microbatches(self) -> bool:
+        """m is chosen per step (num_microbatches "auto")."""
+        return self.num_microbatches == AUTO
+
+    @property
+    def max_microbatches(self) -> int:
+        """The most micro-batches a step of this server may have."""
+        if self.adaptive_microbatches:
+            return MAX_MICROBATCHES
+        return self.num_microbatches or 1
 
     def extra(self) -> BaseModel:
         """The connector's own, validated extra config."""
@@ -133,7 +164,8 @@ _FIELD_HELP = {
     "start_rank": "an integer >= 0, below the number of ranks of this server's role",
     "compute_gate_on_attention": "a boolean",
     "async_dp": "a boolean",
-    "num_microbatches": "an integer 1..4 (attention servers; DBO micro-batches per step)",
+    "num_microbatches": "an integer 1..4, or 'auto' to choose per step (attention servers; "
+    "DBO micro-batches per step)",
     "connector_extra_config": "a JSON object (checked by the connector's own schema)",
 }
 

@@ -70,7 +70,7 @@ def resolve_microbatches(afd, pc) -> int:
         asked.append("--enable-dbo")
     if pc.ubatch_size > 1:
         asked.append(f"--ubatch-size={pc.ubatch_size}")
-    if afd.num_microbatches is not None and afd.num_microbatches > 1:
+    if afd.num_microbatches is not None and afd.num_microbatches != 1:
         asked.append(f"afd.num_microbatches={afd.num_microbatches}")
     if afd.is_ffn:
         if asked:
@@ -80,6 +80,8 @@ def resolve_microbatches(afd, pc) -> int:
                 "announce; remove it from the FFN server"
             )
         return 1
+    if afd.adaptive_microbatches:
+        return resolve_adaptive_microbatches(pc)
     m = afd.num_microbatches
     if m is None:
         m = pc.num_ubatches if pc.use_ubatching else 1
@@ -106,6 +108,31 @@ def resolve_microbatches(afd, pc) -> int:
             "micro-batch can get a token"
         )
     return m
+
+
+def resolve_adaptive_microbatches(pc) -> int:
+    """`afd.num_microbatches: "auto"`: each step picks m in 1..4 (afd_core.step.tuner);
+    returns the most a step may have."""
+    if pc.ubatch_size > 1:
+        raise AFDDeploymentError(
+            f"AFD: --ubatch-size={pc.ubatch_size} and afd.num_microbatches='auto' disagree; "
+            "give one of them"
+        )
+    if pc.tensor_parallel_size > 1:
+        raise AFDDeploymentError(
+            f"AFD: afd.num_microbatches='auto' with --tensor-parallel-size="
+            f"{pc.tensor_parallel_size}: each TP rank would measure and choose on its own, "
+            "but the TP ranks of a step must split it alike; allowed: a fixed "
+            f"afd.num_microbatches (1..{MAX_MICROBATCHES}) with tensor parallel"
+        )
+    low = min(pc.dbo_decode_token_threshold, pc.dbo_prefill_token_threshold)
+    if low < 2:
+        raise AFDDeploymentError(
+            f"AFD: --dbo-decode-token-threshold={pc.dbo_decode_token_threshold} and "
+            f"--dbo-prefill-token-threshold={pc.dbo_prefill_token_threshold} must both be at "
+            "least 2 with afd.num_microbatches='auto' (the smallest split)"
+        )
+    return MAX_MICROBATCHES
 
 
 def validate_expert_group(afd, pc, device_type: str) -> None:
@@ -201,7 +228,7 @@ def validate_cuda(afd, vllm_config) -> None:
         )
 
 
-def validate_cuda_microbatches(m: int, vllm_config) -> None:
+def validate_cuda_microbatches(m: int, vllm_config, adaptive: bool = False) -> None:
     """DBO with graphs runs through vLLM's UBatchWrapper, which splits in two; eagerly,
     AFD's own executor runs up to 4 (afd_core.step.vllm_ubatch)."""
     from afd_core.step.graphs import graph_mode_name
@@ -209,6 +236,12 @@ def validate_cuda_microbatches(m: int, vllm_config) -> None:
 
     mode = graph_mode_name(vllm_config)
     pc = vllm_config.parallel_config
+    if adaptive and mode != "NONE":
+        raise AFDDeploymentError(
+            f"AFD on CUDA: afd.num_microbatches='auto' with cudagraph_mode={mode}: with "
+            "graphs vLLM's UBatchWrapper splits every step it captured alike; allowed: "
+            f"'auto' with --enforce-eager, or afd.num_microbatches={VLLM_UBATCHES} with graphs"
+        )
     if m > 1 and mode != "NONE" and pc.data_parallel_size > 1 and pc.is_moe_model is False:
         # vLLM makes DP metadata for MoE models only, and its UBatchWrapper asserts it
         # under data parallel (gpu_ubatch_wrapper.py, __call__)
@@ -319,13 +352,14 @@ def prepare_afd_config(device_type: str, vllm_config):
     pc = vllm_config.parallel_config
     m = resolve_microbatches(afd, pc)
     if device_type == "cuda":
-        validate_cuda_microbatches(m, vllm_config)
+        validate_cuda_microbatches(m, vllm_config, adaptive=afd.adaptive_microbatches)
     if afd.is_attention:
-        vllm_config.additional_config[AFD_KEY]["num_microbatches"] = m
+        adaptive = afd.adaptive_microbatches
+        vllm_config.additional_config[AFD_KEY]["num_microbatches"] = "auto" if adaptive else m
         if m > 1:
             logger.info(
-                "AFD: %d micro-batches per step above %d decode / %d prefill tokens",
-                m,
+                "AFD: %s micro-batches per step above %d decode / %d prefill tokens",
+                f"1..{m}, chosen per step from measured steps," if adaptive else m,
                 pc.dbo_decode_token_threshold,
                 pc.dbo_prefill_token_threshold,
             )

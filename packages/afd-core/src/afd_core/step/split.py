@@ -57,12 +57,17 @@ class SplitPolicy:
         uniform_decode = all(t == 1 for t in tokens_per_request)
         return self.decode_token_threshold if uniform_decode else self.prefill_token_threshold
 
+    def splittable(self, tokens_per_request: Sequence[int]) -> bool:
+        """Whether a step with these scheduled tokens per request may be split at all
+        (micro-batching on, two requests or more, at or above the threshold)."""
+        if not self.enabled or len(tokens_per_request) < 2:
+            return False
+        return sum(tokens_per_request) >= self.threshold_for(tokens_per_request)
+
     def plan(self, tokens_per_request: Sequence[int]) -> list[MicrobatchSlice] | None:
         """The micro-batches of a step with these scheduled tokens per request, or None to
         run it as one (micro-batching off, fewer than two requests, below the threshold)."""
-        if not self.enabled or len(tokens_per_request) < 2:
-            return None
-        if sum(tokens_per_request) < self.threshold_for(tokens_per_request):
+        if not self.splittable(tokens_per_request):
             return None
         return split_requests(tokens_per_request, self.num_microbatches)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,8 @@ from afd_core.step.attention import AttentionStepDriver
 from afd_core.step.graphs import GraphPhase, graph_phase
 from afd_core.step.microbatch import MicrobatchExecutor
 from afd_core.step.sequence_split import SequenceSplit
-from afd_core.step.split import MicrobatchSlice, SplitPolicy
+from afd_core.step.split import MicrobatchSlice, SplitPolicy, split_requests
+from afd_core.step.tuner import Choice, MicrobatchTuner
 
 logger = get_logger(__name__)
 
@@ -89,6 +91,12 @@ class AttentionStepEngine:
         # vLLM built this many attention-metadata builders per attention group
         self.max_microbatches = max_microbatches
         self.plan: list[MicrobatchSlice] | None = None
+        # num_microbatches "auto": m chosen per step from measured steps, and the choice
+        # for the next forward (to record its time)
+        self.tuner: MicrobatchTuner | None = None
+        self._measured: MicrobatchTuner | None = None  # kept while m is fixed for a while
+        self.choice: Choice | None = None
+        self._planned_at = 0.0
         self.kind = StepKind.REAL
         self.stats = StepStats()
         self._contexts: list[Any] = []
@@ -100,7 +108,15 @@ class AttentionStepEngine:
         # vLLM's UBatchWrapper splits the steps (DBO with graphs), not AFD's plan
         self.vllm_ubatching = False
 
-    def set_policy(self, policy: SplitPolicy) -> None:
+    def set_policy(self, policy: SplitPolicy, adaptive: bool = False) -> None:
+        """Micro-batching from now on: `policy`, with m chosen per step up to its m when
+        `adaptive` (going back to it keeps what was measured before, for the same most m)."""
+        if adaptive and self.vllm_ubatching:
+            raise ValueError(
+                "num_microbatches 'auto': this attention server's steps are split by vLLM's "
+                "UBatchWrapper (graphs), which splits every captured step alike; allowed: a "
+                f"fixed num_microbatches 1 or {self.max_microbatches}"
+            )
         if self.vllm_ubatching and (
             policy.num_microbatches not in (1, self.max_microbatches)
             or policy.decode_token_threshold != self.policy.decode_token_threshold
@@ -119,7 +135,33 @@ class AttentionStepEngine:
                 "change the number of micro-batches at run time (up to 4)"
             )
         self.policy = policy
-        logger.info("AFD attention rank %d: micro-batching %s", self.rank, policy)
+        kept = self._measured
+        if adaptive and (kept is None or kept.max_microbatches != policy.num_microbatches):
+            self._measured = kept = MicrobatchTuner(policy.num_microbatches)
+        self.tuner = kept if adaptive else None
+        self.plan, self.choice = None, None
+        logger.info(
+            "AFD attention rank %d: micro-batching %s%s",
+            self.rank,
+            policy,
+            " (m chosen per step)" if adaptive else "",
+        )
+
+    def plan_step(self, tokens_per_request: list[int]) -> None:
+        """Plan the next forward's micro-batches from its scheduled tokens per request."""
+        self.choice = None
+        if self.tuner is None:
+            self.plan = self.policy.plan(tokens_per_request)
+            return
+        if not self.policy.splittable(tokens_per_request):
+            self.plan = None
+            return
+        self.choice = self.tuner.choose(tokens_per_request)
+        # timed from here to the forward's end: the per-micro-batch attention metadata
+        # vLLM builds in between costs too
+        self._planned_at = time.perf_counter()
+        m = self.choice.microbatches
+        self.plan = split_requests(tokens_per_request, m) if m > 1 else None
 
     @property
     def rank(self) -> int:
@@ -140,6 +182,7 @@ class AttentionStepEngine:
 
         ctx = forward_context.get_forward_context()
         plan, self.plan = self.plan, None
+        choice, self.choice = self.choice, None
         kind = self.kind
         num_tokens = _num_tokens(args, kwargs)
         vllm_slices = getattr(ctx, "ubatch_slices", None)
@@ -187,6 +230,7 @@ class AttentionStepEngine:
         else:
             rows = (self._rows(num_tokens),)
             jobs = [_Job(model, (args, kwargs), None, fail)]
+        started = time.perf_counter()
         try:
             results = self.driver.run(
                 rows, jobs, flags=flags, replayed=phase is GraphPhase.REPLAY, whole=whole
@@ -199,6 +243,8 @@ class AttentionStepEngine:
             if split:
                 forward_context._forward_context = ctx
                 self._contexts = []
+        if choice is not None and kind is StepKind.REAL:
+            self.tuner.observe(choice, time.perf_counter() - min(started, self._planned_at))
         with self._lock:
             self.stats.steps += 1
             self.stats.by_kind[kind] += 1

@@ -49,7 +49,7 @@ class AFDAttentionRunnerMixin:
             if allow and engine.kind is StepKind.REAL and engine.policy.enabled:
                 num_reqs = kwargs["num_reqs"]
                 tokens = kwargs["num_scheduled_tokens_np"][:num_reqs].tolist()
-                engine.plan = engine.policy.plan(tokens)
+                engine.plan_step(tokens)
         return result
 
     def _afd_vllm_ubatching_decision(self, args, kwargs):

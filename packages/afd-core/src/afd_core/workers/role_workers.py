@@ -53,7 +53,7 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
 
     def init_device(self):
         afd = require_afd_config(self.vllm_config)
-        m = afd.num_microbatches or 1
+        m = afd.max_microbatches
         self.vllm_ubatching = self.afd_vllm_ubatching(m)
         if self.vllm_ubatching:
             # vLLM's DBO: its UBatchWrapper, 2 metadata builders and workspaces (set after
@@ -90,7 +90,13 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
     def afd_step_stats(self) -> dict:
         """What this attention rank ran: steps by kind and by number of micro-batches."""
         engine = self.afd.engine
-        return {"rank": self.afd.rank, "policy": str(engine.policy), **engine.stats.as_dict()}
+        tuner = {"tuner": engine.tuner.as_dict()} if engine.tuner is not None else {}
+        return {
+            "rank": self.afd.rank,
+            "policy": str(engine.policy),
+            **engine.stats.as_dict(),
+            **tuner,
+        }
 
     def afd_set_microbatching(
         self,
@@ -98,15 +104,18 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
         decode_token_threshold: str = "",
         prefill_token_threshold: str = "",
     ) -> dict:
-        """Change m (1..4, up to what the server was started for) and the thresholds."""
+        """Change m (1..4, up to what the server was started for, or "auto": chosen per
+        step) and the thresholds."""
         engine = self.afd.engine
         old = engine.policy
+        adaptive = num_microbatches == "auto"
         engine.set_policy(
             SplitPolicy(
-                num_microbatches=int(num_microbatches),
+                num_microbatches=engine.max_microbatches if adaptive else int(num_microbatches),
                 decode_token_threshold=int(decode_token_threshold or old.decode_token_threshold),
                 prefill_token_threshold=int(prefill_token_threshold or old.prefill_token_threshold),
-            )
+            ),
+            adaptive=adaptive,
         )
         return self.afd_step_stats()
 

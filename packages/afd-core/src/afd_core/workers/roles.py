@@ -133,7 +133,7 @@ def split_policy(vllm_config, afd) -> SplitPolicy:
     and vLLM's DBO thresholds."""
     pc = vllm_config.parallel_config
     return SplitPolicy(
-        num_microbatches=afd.num_microbatches or 1,
+        num_microbatches=afd.max_microbatches,
         decode_token_threshold=pc.dbo_decode_token_threshold,
         prefill_token_threshold=pc.dbo_prefill_token_threshold,
     )
@@ -165,6 +165,8 @@ class AttentionRole(_Role):
             sequence_split=split,
         )
         self.engine.vllm_ubatching = vllm_ubatching
+        if self.config.adaptive_microbatches:
+            self.engine.set_policy(self.engine.policy, adaptive=True)
         # outside vLLM's graph wrapper: the control message goes out before every replay
         self.engine.graph_wrapper = find_graph_wrapper(model)
         runner.model = AFDStepWrapper(model, self.engine)
