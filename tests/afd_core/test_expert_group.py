@@ -23,11 +23,12 @@ from tests.afd_core.test_step_protocol import expected
 needs_torch = pytest.mark.vllm
 
 LAYERS = 3
-# one attention server of two data-parallel ranks (they step together): rows per
-# micro-batch of each step; the ranks split their steps differently
+# one attention server of two (or three) data-parallel ranks (they step together): rows
+# per micro-batch of each step; the ranks split their steps differently
 STEPS = {
     0: [(2, 3), (4,), (1, 1, 1, 1), (3,), (0, 2)],
     1: [(1,), (2, 2), (3,), (2, 1), (1,)],
+    2: [(2,), (1, 1, 1), (2,), (0, 4), (3, 3)],
 }
 
 
@@ -115,7 +116,7 @@ def test_peers_of_two_attention_servers_fail_the_start_up_check_naming_them():
 # -- a 2A2F deployment whose FFN ranks are one expert group, as real processes --------------
 
 
-def group_ffn_main(rank, port, q):
+def group_ffn_main(rank, a, port, q):
     try:
         import threading
 
@@ -123,7 +124,7 @@ def group_ffn_main(rank, port, q):
 
         from afd_core.step.ffn import FFNStepServer
 
-        conn = make("ffn", rank, 2, 2, port, layers=LAYERS)
+        conn = make("ffn", rank, a, 2, port, layers=LAYERS)
         conn.init()
         side = conn.make_side_transport(expert_group_name(0), rank, 2, connect_scale=2.0)
         side.connect()
@@ -166,13 +167,13 @@ def group_ffn_main(rank, port, q):
         q.put((("ffn", rank), "ERROR " + traceback.format_exc()))
 
 
-def group_attention_main(rank, port, q):
+def group_attention_main(rank, a, port, q):
     try:
         import torch
 
         from afd_core.step.attention import AttentionStepDriver
 
-        conn = make("attention", rank, 2, 2, port, layers=LAYERS)  # one server: start_rank 0
+        conn = make("attention", rank, a, 2, port, layers=LAYERS)  # one server: start_rank 0
         conn.init()
         driver = AttentionStepDriver(conn)
         for step, rows in enumerate(STEPS[rank]):
@@ -187,25 +188,34 @@ def group_attention_main(rank, port, q):
 
 
 @needs_torch
-def test_ffn_ranks_of_an_expert_group_compute_every_micro_batch_together():
+@pytest.mark.parametrize("a", [2, 3], ids=["2A2F", "3A2F"])
+def test_ffn_ranks_of_an_expert_group_compute_every_micro_batch_together(a):
+    """2A2F, and 3A2F: member 0 serves attention ranks 0 and 1, member 1 rank 2 (blocks of
+    uneven size, topology.py)."""
+    from afd_core.topology import Topology
+
     port = free_port()
     results = run_processes(
-        [(group_ffn_main, r, port) for r in (0, 1)]
-        + [(group_attention_main, r, port) for r in (0, 1)]
+        [(group_ffn_main, r, a, port) for r in (0, 1)]
+        + [(group_attention_main, r, a, port) for r in range(a)]
     )
     assert_no_errors(results)
-    assert results[("attention", 0)] == results[("attention", 1)] == "ok"
+    assert [results[("attention", r)] for r in range(a)] == ["ok"] * a
     first, second = results[("ffn", 0)], results[("ffn", 1)]
     assert first["steps"] == second["steps"] == len(STEPS[0])
     # both members computed the same (layer, micro-batch) sequence with the same rows per
-    # member: the most micro-batches either had, zero rows for the one with fewer
+    # member (the sum of its peers'): the most micro-batches any peer had, zero rows for a
+    # member whose peers had fewer
     assert first["computed"] == second["computed"]
+    peers = [Topology(a, 2).peers_of(k) for k in (0, 1)]
     want = []
-    for s0, s1 in zip(STEPS[0], STEPS[1], strict=True):
-        n_mb = max(len(s0), len(s1))
-        rows = [
-            (s0[mb] if mb < len(s0) else 0, s1[mb] if mb < len(s1) else 0) for mb in range(n_mb)
-        ]
+    for s in range(len(STEPS[0])):
+        n_mb = max(len(STEPS[p][s]) for p in range(a))
+
+        def rows_of(member, mb, s=s):
+            return sum(STEPS[p][s][mb] for p in peers[member] if mb < len(STEPS[p][s]))
+
+        rows = [(rows_of(0, mb), rows_of(1, mb)) for mb in range(n_mb)]
         want += [(layer, r) for layer in range(LAYERS) for r in rows if sum(r)]
     assert first["computed"] == want
     zero = sum(1 for layer, r in want if layer == 0 for n in r if n == 0)
