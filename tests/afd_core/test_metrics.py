@@ -63,6 +63,26 @@ def test_publish_is_rate_limited_unless_asked_now(tmp_path):
     assert json.loads(path.read_text())["counters"]["steps"] == 1
 
 
+def test_a_held_back_snapshot_is_written_when_the_interval_ends(tmp_path):
+    """A rank that goes idle right after a step still shows that step within a second."""
+    import time
+
+    from afd_core.metrics import PUBLISH_INTERVAL_S
+
+    m = RoleMetrics("attention", 0, str(tmp_path))
+    m.publish(now=True)
+    path = next(tmp_path.glob("*.json"))
+    m.add("steps")
+    m.publish()  # held back
+    m.add("steps")
+    m.publish()  # still one write due
+    assert json.loads(path.read_text())["counters"]["steps"] == 0
+    deadline = time.monotonic() + PUBLISH_INTERVAL_S + 2
+    while json.loads(path.read_text())["counters"]["steps"] != 2:
+        assert time.monotonic() < deadline, "the held-back write never came"
+        time.sleep(0.05)
+
+
 @pytest.mark.vllm  # prometheus_client comes with vLLM (not in the afd-core lane)
 def test_a_dead_process_snapshot_is_not_shown(tmp_path):
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,

@@ -3,7 +3,9 @@
 vLLM serves `/metrics` from its API server process (prometheus_client's default registry),
 while an AFD rank lives in the engine-core or worker process: metrics made there with
 prometheus_client would never be scraped. So each rank keeps its numbers here and writes a
-snapshot (JSON, at most once a second, and at once when a peer is lost or rejoins) into
+snapshot (JSON, at most once a second, and at once when a peer is lost or rejoins; a
+write held back by that limit follows within the second, so a rank that goes idle still
+shows its last steps) into
 the directory named by AFD_METRICS_DIR; the API server's collector (`AFDCollector`,
 registered when the plugin loads) reads every live process's snapshot at each scrape.
 The first process of a server that loads the plugin makes the directory and sets the
@@ -74,6 +76,7 @@ class RoleMetrics:
         }
         self.peer_up: dict[int, int] = {}
         self._last_publish = 0.0
+        self._deferred: threading.Timer | None = None  # the held-back write, if one is due
         self._lock = threading.Lock()
 
     def add(self, counter: str, amount: float = 1) -> None:
@@ -95,11 +98,18 @@ class RoleMetrics:
         }
 
     def publish(self, now: bool = False) -> None:
-        """Write the snapshot (at most once per PUBLISH_INTERVAL_S unless `now`)."""
+        """Write the snapshot (at most once per PUBLISH_INTERVAL_S unless `now`; one held
+        back is written when the interval ends)."""
         if not self.directory:
             return
         t = time.monotonic()
-        if not now and t - self._last_publish < PUBLISH_INTERVAL_S:
+        wait = PUBLISH_INTERVAL_S - (t - self._last_publish)
+        if not now and wait > 0:
+            with self._lock:
+                if self._deferred is None:
+                    self._deferred = threading.Timer(wait, self._publish_deferred)
+                    self._deferred.daemon = True
+                    self._deferred.start()
             return
         self._last_publish = t
         with self._lock:  # a peer lost on one thread while another ends a step
@@ -111,6 +121,11 @@ class RoleMetrics:
                 os.replace(tmp, path)  # a scrape never reads half a file
             except OSError:
                 pass  # metrics never stop serving
+
+    def _publish_deferred(self) -> None:
+        with self._lock:
+            self._deferred = None
+        self.publish(now=True)
 
 
 def ensure_metrics_dir() -> str:
