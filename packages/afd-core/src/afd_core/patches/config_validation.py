@@ -37,7 +37,7 @@ Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 from __future__ import annotations
 
 from afd_core import envs
-from afd_core.config import AFD_KEY
+from afd_core.config import AFD_KEY, AUTO
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.gate import deployment_secret
 from afd_core.log import get_logger
@@ -355,7 +355,7 @@ def prepare_afd_config(device_type: str, vllm_config):
         validate_cuda_microbatches(m, vllm_config, adaptive=afd.adaptive_microbatches)
     if afd.is_attention:
         adaptive = afd.adaptive_microbatches
-        vllm_config.additional_config[AFD_KEY]["num_microbatches"] = "auto" if adaptive else m
+        vllm_config.additional_config[AFD_KEY]["num_microbatches"] = AUTO if adaptive else m
         if m > 1:
             logger.info(
                 "AFD: %s micro-batches per step above %d decode / %d prefill tokens",

@@ -96,8 +96,9 @@ class MicrobatchTuner:
         with self._lock:
             b = self._buckets.setdefault(key, _Bucket())
             b.steps += 1
-            arms = [b.arms.setdefault(m, _Arm()) for m in candidates]
-            m = self._pick(b, list(candidates), arms)
+            for m in candidates:
+                b.arms.setdefault(m, _Arm())
+            m = self._pick(b, list(candidates))
         return Choice(key, m, sum(tokens_per_request))
 
     def _warm(self, b: _Bucket, m: int) -> bool:
@@ -117,7 +118,7 @@ class MicrobatchTuner:
             done.append(m)
         return done, None
 
-    def _pick(self, b: _Bucket, candidates: list[int], arms: list[_Arm]) -> int:
+    def _pick(self, b: _Bucket, candidates: list[int]) -> int:
         measured, next_m = self._measured(b, candidates)
         if next_m is not None:
             return next_m

@@ -230,7 +230,6 @@ class AttentionStepEngine:
         else:
             rows = (self._rows(num_tokens),)
             jobs = [_Job(model, (args, kwargs), None, fail)]
-        started = time.perf_counter()
         try:
             results = self.driver.run(
                 rows, jobs, flags=flags, replayed=phase is GraphPhase.REPLAY, whole=whole
@@ -244,7 +243,7 @@ class AttentionStepEngine:
                 forward_context._forward_context = ctx
                 self._contexts = []
         if choice is not None and kind is StepKind.REAL:
-            self.tuner.observe(choice, time.perf_counter() - min(started, self._planned_at))
+            self.tuner.observe(choice, time.perf_counter() - self._planned_at)
         with self._lock:
             self.stats.steps += 1
             self.stats.by_kind[kind] += 1
