@@ -45,9 +45,22 @@ def decode_choice(stats: dict, batch: int) -> str:
     return f"m={m} ({n / total:.0%} of {total})"
 
 
+def _dbo_tpot():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "dbo_tpot", Path(__file__).with_name("dbo_tpot.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> int:
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
-    from afd_plugin.launcher import Server, ServerSpec, collective_rpc, free_port, running
+    from afd_plugin.launcher import collective_rpc, running
+
+    pinned_pair = _dbo_tpot().pinned_pair  # the same 1A1F pinning as dbo_tpot.py
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[4, 16, 32, 64, 128])
@@ -60,32 +73,7 @@ def main() -> int:
     model = str(tiny_checkpoint(spec))
     logs = Path(tempfile.mkdtemp(prefix="afd-dbo-auto-"))
     common = ["--max-num-seqs", str(max(a.batch)), "--max-model-len", "256"]
-    one = {"OMP_NUM_THREADS": "1"}
-    afd = {"port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1}
-    ffn = Server(
-        ServerSpec(
-            "ffn",
-            model,
-            free_port(),
-            afd={**afd, "role": "ffn"},
-            extra_args=common,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "1", **one},
-        ),
-        logs,
-    )
-    att = Server(
-        ServerSpec(
-            "attention",
-            model,
-            free_port(),
-            afd={**afd, "role": "attention"},
-            extra_args=common
-            + ["--enable-dbo", "--dbo-decode-token-threshold", "4"]
-            + ["--dbo-prefill-token-threshold", "4"],
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_SERVER_DEV_MODE": "1", **one},
-        ),
-        logs,
-    )
+    ffn, att = pinned_pair(model, logs, common, {}, {"VLLM_SERVER_DEV_MODE": "1"})
     configs = ["1", "2", "3", "4", "auto"]
     tpot: dict[tuple[int, str], list[float]] = {}
     with running([ffn, att], timeout=600):

@@ -49,6 +49,40 @@ def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, floa
     return seconds, end - seconds, end
 
 
+def pinned_pair(model: str, logs: Path, common: list[str], ffn_env: dict, att_env: dict):
+    """A 1A1F deployment, not started: the FFN server on core 1, the attention server on
+    core 0 (DBO-capable, thresholds 4 tokens), one OpenMP thread each. Returns (ffn, att)."""
+    from afd_plugin.launcher import Server, ServerSpec, free_port
+
+    one = {"OMP_NUM_THREADS": "1"}
+    afd = {"port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1}
+    ffn = Server(
+        ServerSpec(
+            "ffn",
+            model,
+            free_port(),
+            afd={**afd, "role": "ffn"},
+            extra_args=common,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "1", **ffn_env, **one},
+        ),
+        logs,
+    )
+    att = Server(
+        ServerSpec(
+            "attention",
+            model,
+            free_port(),
+            afd={**afd, "role": "attention"},
+            extra_args=common
+            + ["--enable-dbo", "--dbo-decode-token-threshold", "4"]
+            + ["--dbo-prefill-token-threshold", "4"],
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0", **att_env, **one},
+        ),
+        logs,
+    )
+    return ffn, att
+
+
 def main() -> int:
 
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
@@ -70,9 +104,6 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="afd-dbo-tpot-"))
     trace = str(logs / "trace")
     common = ["--max-num-seqs", str(max(a.batch)), "--max-model-len", "256"]
-    one = {"OMP_NUM_THREADS": "1"}
-    port = free_port()
-    afd = {"port": port, "num_attention_ranks": 1, "num_ffn_ranks": 1}
     dev = {"VLLM_SERVER_DEV_MODE": "1"}
     colo = Server(
         ServerSpec(
@@ -84,30 +115,8 @@ def main() -> int:
         ),
         logs,
     )
-    ffn = Server(
-        ServerSpec(
-            "ffn",
-            model,
-            free_port(),
-            afd={**afd, "role": "ffn"},
-            extra_args=common,
-            env={"VLLM_CPU_OMP_THREADS_BIND": "1", "AFD_STEP_TRACE": trace, **one},
-        ),
-        logs,
-    )
-    att = Server(
-        ServerSpec(
-            "attention",
-            model,
-            free_port(),
-            afd={**afd, "role": "attention"},
-            extra_args=common
-            + ["--enable-dbo", "--dbo-decode-token-threshold", "4"]
-            + ["--dbo-prefill-token-threshold", "4"],
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0", "AFD_STEP_TRACE": trace, **dev, **one},
-        ),
-        logs,
-    )
+    traced = {"AFD_STEP_TRACE": trace}
+    ffn, att = pinned_pair(model, logs, common, traced, {**traced, **dev})
     configs = [("colocated", colo.url, None), ("AFD m=1", att.url, 1)]
     configs += [("AFD m=2", att.url, 2), ("AFD m=4", att.url, 4)]
     results: dict = {}
