@@ -197,3 +197,94 @@ def test_presets_have_no_linear_layers_and_all_their_kv_per_token():
     for m in PRESETS.values():
         assert m.num_linear_attention_layers == 0 and m.state_bytes_per_request == 0
         assert m.kv_bytes_per_token == m.num_layers * m.kv_bytes_per_token_layer
+
+
+# openai/gpt-oss-120b's config.json, the fields the planner reads (every other layer a
+# 128-token sliding window)
+GPT_OSS = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+    "head_dim": 64, "intermediate_size": 2880, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "num_hidden_layers": 36, "num_local_experts": 128,
+    "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_a_gpt_oss_config_counts_its_sliding_window_layers():
+    m = from_hf_config(GPT_OSS, "gpt-oss.json")
+    assert (m.num_layers, m.num_sliding_window_layers, m.sliding_window) == (36, 18, 128)
+    assert (m.num_full_attention_layers, m.num_softmax_attention_layers) == (18, 36)
+    # without layer_types, vLLM's gpt_oss.py gives every even layer the window
+    no_types = {k: v for k, v in GPT_OSS.items() if k != "layer_types"}
+    assert from_hf_config(no_types, "gpt-oss.json") == m
+    # gpt-oss-120b: 117B parameters (116.8B, the attention of every layer counted alike)
+    total = m.attention_params_total + m.ffn_params_total
+    assert total / 1e9 == pytest.approx(116.8, rel=0.01)
+    # the cache: full layers grow with the context, sliding ones stop at the window
+    kv = m.kv_bytes_per_token_layer
+    assert m.kv_bytes_per_request(4096) == 18 * 4096 * kv + 18 * 128 * kv
+    assert m.kv_bytes_per_request(64) == 36 * 64 * kv  # below the window: all alike
+    # the attention time per layer: the sliding half stops growing at the window
+    full = replace(m, num_sliding_window_layers=0, sliding_window=0)
+    hw = HW_PRESETS["h200"]
+    at = costs.attention_layer_time
+    assert at(m, hw, 64, 32768) < 0.6 * at(full, hw, 64, 32768)
+    assert at(m, hw, 64, 65536) - at(m, hw, 64, 32768) == pytest.approx(
+        (at(full, hw, 64, 65536) - at(full, hw, 64, 32768)) * 18 / 36, rel=1e-6
+    )
+    assert at(m, hw, 64, 100) == pytest.approx(at(full, hw, 64, 100), rel=1e-3)  # both ~window
+    # so more requests fit: a memory-capped plan at a long context holds more of them
+    from afd_core.planner.search import plan
+
+    long = plan(m, hw, 1000, 131072).colocated[0]
+    long_full = plan(full, hw, 1000, 131072).colocated[0]
+    assert long.capped_by == long_full.capped_by == "memory"
+    assert long.batch_per_device > 1.5 * long_full.batch_per_device
+
+
+@pytest.mark.parametrize(
+    "fields, layers",
+    [
+        ({"use_sliding_window": False, "sliding_window": 4096}, 0),  # Qwen3-MoE's default
+        ({"sliding_window": None}, 0),
+        ({"sliding_window": 0}, 0),  # vLLM: 0 is no window
+        ({"use_sliding_window": True, "sliding_window": 4096}, 48),  # CacheConfig: every layer
+        ({"sliding_window": 4096}, 48),  # Mixtral-style: no use_sliding_window field
+        (
+            {
+                "sliding_window": 4096,
+                "layer_types": ["full_attention"] * 47 + ["sliding_attention"],
+            },
+            1,
+        ),
+    ],
+)
+def test_a_configs_sliding_window_as_vllm_reads_it(fields, layers):
+    m = from_hf_config(QWEN3_MOE | fields)
+    assert m.num_sliding_window_layers == layers
+    assert m.sliding_window == (4096 if layers else 0)
+
+
+@pytest.mark.parametrize(
+    "fields, msg",
+    [
+        ({"use_sliding_window": "yes"}, r"'use_sliding_window' = \"yes\" is invalid; allowed: true or false"),
+        ({"sliding_window": 4096.0}, r"'sliding_window' = 4096.0 is invalid; allowed: an integer in \[0, 16777216\]"),
+        ({"sliding_window": 1 << 25}, r"'sliding_window' = 33554432 is invalid"),
+        (
+            {"layer_types": ["sliding_attention"] * 48},
+            r"field 'sliding_window' is missing; layer_types has 48 'sliding_attention' layers",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_sliding_window_fields_are_named(fields, msg):
+    with pytest.raises(PlanInputError, match=msg):
+        from_hf_config(QWEN3_MOE | fields, "x.json")
+
+
+def test_a_shapes_sliding_window_layers_are_checked():
+    m = from_hf_config(GPT_OSS)
+    with pytest.raises(PlanInputError, match=r"sliding-window layers need sliding_window > 0"):
+        replace(m, sliding_window=0)
+    with pytest.raises(PlanInputError, match=r"num_sliding_window_layers=37 are more than"):
+        replace(m, num_sliding_window_layers=37)

@@ -30,27 +30,36 @@ def attention_layer_time(
 ) -> float:
     """One attention layer for `rows` decode tokens of `context` cached tokens each.
 
-    A hybrid model (linear-attention layers between full ones, Qwen3-Next/3.5) gets the mean
-    over its layers of each kind's time, weighted by their counts: the step sums per-layer
-    times, so the sum over layers is exact, and only the pipeline's layer-by-layer
-    interleaving sees the mean instead of alternating times. A linear layer reads its
-    weights and reads and writes each row's fixed-size state; its work does not grow with
-    the context."""
+    A model with layers of several kinds (linear-attention layers between full ones,
+    Qwen3-Next/3.5; sliding-window layers, GPT-OSS) gets the mean over its layers of each
+    kind's time, weighted by their counts: the step sums per-layer times, so the sum over
+    layers is exact, and only the pipeline's layer-by-layer interleaving sees the mean
+    instead of alternating times. A sliding-window layer reads at most its window of each
+    row's cache. A linear layer reads its weights and reads and writes each row's
+    fixed-size state; its work does not grow with the context."""
     if rows <= 0:
         return 0.0
-    p = model.attention_params
-    nbytes = p * model.weight_bytes + rows * context * model.kv_bytes_per_token_layer
-    flops = rows * (2.0 * p + model.attention_core_flops(context))
+
+    def softmax_layer(tokens: float) -> float:
+        p = model.attention_params
+        nbytes = p * model.weight_bytes + rows * tokens * model.kv_bytes_per_token_layer
+        flops = rows * (2.0 * p + model.attention_core_flops(tokens))
+        return roofline(nbytes, flops, hw)
+
     overhead = hw.attention_layer_overhead_us * 1e-6
     linear_layers = model.num_linear_attention_layers
-    if not linear_layers:
-        return overhead + roofline(nbytes, flops, hw)
-    full = model.num_full_attention_layers * roofline(nbytes, flops, hw)
-    p = model.linear_attention_params
-    nbytes = p * model.weight_bytes + rows * 2.0 * model.linear_state_bytes_layer
-    flops = rows * (2.0 * p + model.linear_attention_core_flops)
-    linear = linear_layers * roofline(nbytes, flops, hw)
-    return overhead + (full + linear) / model.num_layers
+    sliding_layers = model.num_sliding_window_layers
+    if not linear_layers and not sliding_layers:
+        return overhead + softmax_layer(context)
+    total = model.num_full_attention_layers * softmax_layer(context)
+    if sliding_layers:
+        total += sliding_layers * softmax_layer(model.attended_tokens(context))
+    if linear_layers:
+        p = model.linear_attention_params
+        nbytes = p * model.weight_bytes + rows * 2.0 * model.linear_state_bytes_layer
+        flops = rows * (2.0 * p + model.linear_attention_core_flops)
+        total += linear_layers * roofline(nbytes, flops, hw)
+    return overhead + total / model.num_layers
 
 
 def expected_active_experts(num_experts: int, top_k: int, tokens: float) -> float:

@@ -6,7 +6,8 @@ either grouped-query (q/k/v/o projections) or DeepSeek's MLA (latent KV cache of
 kv_lora_rank + qk_rope_head_dim per token, computed in the absorbed form). A hybrid model
 (Qwen3-Next, Qwen3.5) has linear-attention layers (Gated DeltaNet) between its full ones:
 their state per request is fixed-size (a short convolution window and one d_k x d_v matrix
-per value head), it does not grow with the context.
+per value head), it does not grow with the context. Sliding-window layers (GPT-OSS, a
+config's `sliding_window`) attend over, and cache, at most the window's last tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "linear_key_head_dim": (1, _DIM),
     "linear_value_head_dim": (1, _DIM),
     "linear_conv_kernel_dim": (1, 1024),
+    "sliding_window": (0, 1 << 24),  # 0: no sliding window (vLLM reads 0 as disabled)
 }
 # ModelShape's own fields bounded by the same table (a preset or a hand-built shape)
 _SHAPE_RANGES = {
@@ -103,6 +105,9 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # layers that attend over the last `sliding_window` tokens only (GPT-OSS's every other)
+    num_sliding_window_layers: int = 0
+    sliding_window: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -144,6 +149,16 @@ class ModelShape:
                 f"model {self.name}: num_linear_attention_layers="
                 f"{self.num_linear_attention_layers} is more than num_layers={self.num_layers}"
             )
+        if self.num_linear_attention_layers + self.num_sliding_window_layers > self.num_layers:
+            raise PlanInputError(
+                f"model {self.name}: num_linear_attention_layers="
+                f"{self.num_linear_attention_layers} and num_sliding_window_layers="
+                f"{self.num_sliding_window_layers} are more than num_layers={self.num_layers}"
+            )
+        if self.num_sliding_window_layers and self.sliding_window <= 0:
+            raise PlanInputError(
+                f"model {self.name}: sliding-window layers need sliding_window > 0"
+            )
         linear = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim")
         linear += ("linear_value_head_dim", "linear_conv_kernel_dim")
         if self.num_linear_attention_layers and any(getattr(self, n) <= 0 for n in linear):
@@ -160,8 +175,18 @@ class ModelShape:
         return self.num_layers - self.num_dense_layers
 
     @property
-    def num_full_attention_layers(self) -> int:
+    def num_softmax_attention_layers(self) -> int:
+        """Layers with q/k/v attention and a KV cache: full and sliding-window ones."""
         return self.num_layers - self.num_linear_attention_layers
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        """Layers attending over the whole context."""
+        return self.num_softmax_attention_layers - self.num_sliding_window_layers
+
+    def attended_tokens(self, context: float) -> float:
+        """How many cached tokens a sliding-window layer reads at `context`."""
+        return min(context, self.sliding_window) if self.num_sliding_window_layers else context
 
     # -- parameters per layer -------------------------------------------------------------
 
@@ -220,7 +245,7 @@ class ModelShape:
     @property
     def attention_params_total(self) -> int:
         """Everything the attention role holds: attention layers, embedding and LM head."""
-        layers = self.num_full_attention_layers * self.attention_params
+        layers = self.num_softmax_attention_layers * self.attention_params
         layers += self.num_linear_attention_layers * self.linear_attention_params
         return layers + 2 * self.vocab_size * self.hidden_size
 
@@ -234,8 +259,20 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """KV-cache bytes one token of context adds over all layers (full attention only)."""
+        """KV-cache bytes one token of context adds over the full-attention layers (a
+        sliding-window layer stops growing at its window, a linear one holds a fixed state)."""
         return self.num_full_attention_layers * self.kv_bytes_per_token_layer
+
+    def kv_bytes_per_request(self, context: float) -> float:
+        """A request's cache at `context` tokens over every layer: the full layers' KV, the
+        sliding-window layers' KV of at most the window (vLLM frees the blocks that left
+        it), and the linear layers' fixed state."""
+        window = self.num_sliding_window_layers * self.attended_tokens(context)
+        return (
+            context * self.kv_bytes_per_token
+            + window * self.kv_bytes_per_token_layer
+            + self.state_bytes_per_request
+        )
 
     @property
     def linear_state_bytes_layer(self) -> float:
@@ -390,6 +427,9 @@ _EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
 # output gate on full attention (vLLM's Qwen3NextAttention default)
 _HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
+# GPT-OSS without layer_types: a sliding window on every even layer (the HF config's default,
+# vLLM's gpt_oss.py)
+_ALTERNATING_SLIDING_TYPES = ("gpt_oss",)
 
 
 def _dense_layers(cfg: dict, layers: int, source: str) -> int:
@@ -407,10 +447,18 @@ def _dense_layers(cfg: dict, layers: int, source: str) -> int:
     return len(only) + sum(1 for i in range(layers) if i not in only and (i + 1) % step)
 
 
-def _linear_attention_layers(cfg: dict, layers: int, source: str) -> int:
-    """How many layers are linear attention: from layer_types (sliding-window layers count
-    as full ones, an upper bound on their KV cache), else full_attention_interval, else the
-    Qwen3-Next/3.5 default of one full layer in four; 0 for other models."""
+def _attention_layer_kinds(cfg: dict, layers: int, source: str) -> tuple[int, int, int]:
+    """(linear-attention layers, sliding-window layers, the window), as vLLM 0.32 builds
+    them. With layer_types: its counts, and `sliding_window` the window of its
+    "sliding_attention" entries. Without: linear layers from full_attention_interval, else
+    the Qwen3-Next/3.5 default of one full layer in four, else none; and `sliding_window`
+    (unless `use_sliding_window` is false, as HF's Qwen configs read it) applies to every
+    other layer, or to every layer but linear ones (vLLM's CacheConfig.sliding_window).
+    A window of 0 or null is no window."""
+    use = cfg.get("use_sliding_window", True)
+    if not isinstance(use, bool):
+        raise _bad(source, "use_sliding_window", use, "true or false")
+    window = _int(cfg, "sliding_window", source, 0) if use else 0
     types = cfg.get("layer_types")
     if types is not None:
         if (
@@ -420,10 +468,21 @@ def _linear_attention_layers(cfg: dict, layers: int, source: str) -> int:
         ):
             allowed = f"a list of num_hidden_layers ({layers}) entries, each one of "
             raise _bad(source, "layer_types", types, allowed + ", ".join(_LAYER_TYPES))
-        return types.count("linear_attention")
+        sliding = types.count("sliding_attention")
+        if sliding and cfg.get("sliding_window") is None:
+            raise PlanInputError(
+                f"model config {source}: field 'sliding_window' is missing; layer_types has "
+                f"{sliding} 'sliding_attention' layers"
+            )
+        return types.count("linear_attention"), sliding if window else 0, window
     default = 4 if cfg.get("model_type") in _HYBRID_TYPES else 0
     interval = _int(cfg, "full_attention_interval", source, default)
-    return 0 if interval == 0 else sum(1 for i in range(layers) if (i + 1) % interval)
+    linear = 0 if interval == 0 else sum(1 for i in range(layers) if (i + 1) % interval)
+    if not window:
+        return linear, 0, 0
+    if cfg.get("model_type") in _ALTERNATING_SLIDING_TYPES:
+        return linear, (layers + 1) // 2, window
+    return linear, layers - linear, window
 
 
 def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
@@ -475,7 +534,7 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
             num_kv_heads=_int(cfg, "num_key_value_heads", source, heads),
             head_dim=_int(cfg, "head_dim", source, hidden // heads),
         )
-    linear = _linear_attention_layers(cfg, layers, source)
+    linear, sliding, window = _attention_layer_kinds(cfg, layers, source)
     if linear:
         for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim"):
             kw[k] = _int(cfg, k, source)
@@ -504,6 +563,8 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
             wire_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
             attention_output_gate=gate,
             num_linear_attention_layers=linear,
+            num_sliding_window_layers=sliding,
+            sliding_window=window,
             **kw,
         )
     except PlanInputError as exc:  # a check across fields (top_k > experts): name the file

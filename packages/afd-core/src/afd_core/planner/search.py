@@ -207,8 +207,7 @@ def colocated_step(
 
 
 def _kv_cache_bytes(model: ModelShape, batch: int, context: float) -> float:
-    # full-attention layers grow with the context; linear-attention layers hold a fixed state
-    return batch * (context * model.kv_bytes_per_token + model.state_bytes_per_request)
+    return batch * model.kv_bytes_per_request(context)
 
 
 def _attention_memory(model: ModelShape, batch: int, context: float) -> float:
