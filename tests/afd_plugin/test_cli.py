@@ -119,3 +119,28 @@ def test_every_commands_help_ends_with_examples_that_parse(command, capsys):
     for example in EXAMPLES[command]:
         args = parser.parse_args(shlex.split(example)[1:])
         assert args.command == command
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+        (["--output-len", "0"], "--output-len=0 must be >= 1"),
+        (["--num-iters", "0"], "--num-iters=0 must be >= 1"),
+        (["--sweep-iters", "1"], "--sweep-iters=1 must be >= 2"),
+        (["--model", "large"], "--model=large is invalid; allowed: tiny, medium"),
+        (["--trace", "/t"], "missing: --colocated-url, --attention-url"),
+        (
+            ["--colocated-url", "http://a", "--attention-url", "http://b", "--trace", "/t"],
+            "--model=None is not a checkpoint folder holding config.json",
+        ),
+    ],
+)
+def test_afd_bench_names_vllms_benchmark_flags_in_its_errors(argv, msg, capsys):
+    """`afd bench` names its flags as `vllm bench` does (--batch-size, --output-len,
+    --num-iters; --model the served checkpoint with a running deployment), and a bad value
+    stops it before anything is measured."""
+    from afd_plugin.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert msg in capsys.readouterr().err

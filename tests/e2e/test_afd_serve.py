@@ -242,10 +242,10 @@ def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
     d = one_to_one
     set_m(d.att, 1, decode_threshold=2)
     out = tmp_path / "bench"
-    args = ["--sweep-hidden", "64", "--sweep-rows", "1", "4", "--iters", "5", "--batch", "2"]
-    args += ["--reps", "1", "--tokens", "4", "--out", str(out)]
+    args = ["--sweep-hidden", "64", "--sweep-rows", "1", "4", "--sweep-iters", "5"]
+    args += ["--batch-size", "2", "--num-iters", "1", "--output-len", "4", "--out", str(out)]
     args += ["--colocated-url", d.colocated.url, "--attention-url", d.att.url]
-    args += ["--trace", d.trace, "--checkpoint", d.model, "--save-profile", str(out / "p.json")]
+    args += ["--trace", d.trace, "--model", d.model, "--save-profile", str(out / "p.json")]
     exe = shutil.which("afd", path=str(Path(sys.executable).parent))
     run = subprocess.run([exe, "bench", *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

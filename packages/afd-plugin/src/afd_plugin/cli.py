@@ -61,7 +61,10 @@ EXAMPLES = {
         "afd plan --model qwen3-30b-a3b --hardware h100 --tpot-ms 50 --context 4096",
         "afd plan --model ./config.json --hardware h200 --tpot-ms 30 --context 8192 --json",
     ],
-    "bench": ["afd bench --model tiny --out bench-out", "afd bench --no-serving"],
+    "bench": [
+        "afd bench --model tiny --batch-size 4 --num-iters 1 --out bench-out",
+        "afd bench --no-serving",
+    ],
     "launch": ["afd launch deploy.toml --print", "afd launch deploy.toml --host f"],
     "ray": ["afd ray deploy.toml --address 10.0.0.1:6379"],
     "k8s": ["afd k8s deploy.toml --image registry.example/afd:0.1 -o afd.yaml"],

@@ -26,23 +26,43 @@ from pathlib import Path
 
 RESULT_FORMAT = 1
 MODELS = ("tiny", "medium")
+# the flags named as vLLM's benchmarks name them (`vllm bench latency`: --batch-size,
+# --output-len, --num-iters; `vllm bench serve`: --model, the served model)
+FLAGS = {
+    "batch": "--batch-size",
+    "tokens": "--output-len",
+    "reps": "--num-iters",
+    "iters": "--sweep-iters",
+    "sweep_rows": "--sweep-rows",
+    "sweep_hidden": "--sweep-hidden",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="folder for bench.json, sweep.png and server logs")
     p.add_argument(
         "--model",
-        choices=MODELS,
-        default="medium",
         help="tiny: the demo-size Qwen3-MoE (fast); medium: a Qwen3-MoE with hidden 1024 and "
-        "16 experts (default; its compute is large enough to calibrate against)",
+        "16 experts, its compute large enough to calibrate against (default: medium); with "
+        "a running deployment: the checkpoint folder it serves, as given to vllm serve",
     )
-    p.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="requests per batch")
-    p.add_argument("--tokens", type=int, default=32, help="decode tokens measured per run")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement")
+    p.add_argument(
+        FLAGS["batch"], dest="batch", type=int, nargs="+", default=[16, 64],
+        help="requests per batch, one run each",
+    )  # fmt: skip
+    p.add_argument(
+        FLAGS["tokens"], dest="tokens", type=int, default=32,
+        help="decode tokens measured per request",
+    )  # fmt: skip
+    p.add_argument(
+        FLAGS["reps"], dest="reps", type=int, default=3,
+        help="repetitions of every measurement",
+    )  # fmt: skip
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--sweep-hidden", type=int, nargs="+", default=[2048, 7168])
-    p.add_argument("--iters", type=int, default=100, help="round trips per sweep point")
+    p.add_argument(
+        FLAGS["iters"], dest="iters", type=int, default=100, help="round trips per sweep point"
+    )
     p.add_argument("--no-serving", action="store_true", help="only the sweep and compute rates")
     running = p.add_argument_group(
         "a running deployment instead of servers started here (all four together): a "
@@ -52,7 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     running.add_argument("--colocated-url", help="e.g. http://127.0.0.1:8000")
     running.add_argument("--attention-url", help="the AFD attention server")
     running.add_argument("--trace", help="the AFD_STEP_TRACE prefix both AFD servers write to")
-    running.add_argument("--checkpoint", help="the served checkpoint folder (its config.json)")
     p.add_argument("--save-profile", type=Path, help="write the measured hardware profile here")
 
 
@@ -60,26 +79,35 @@ def _check(args: argparse.Namespace) -> str | None:
     for name in ("batch", "sweep_rows", "sweep_hidden"):
         bad = [v for v in getattr(args, name) if v < 1]
         if bad:
-            return f"--{name.replace('_', '-')}={bad[0]} must be >= 1"
+            return f"{FLAGS[name]}={bad[0]} must be >= 1"
     for name, low in (("tokens", 1), ("reps", 1), ("iters", 2)):
         if getattr(args, name) < low:
-            return f"--{name}={getattr(args, name)} must be >= {low}"
+            return f"{FLAGS[name]}={getattr(args, name)} must be >= {low}"
     if len({r * h for r in args.sweep_rows for h in args.sweep_hidden}) < 2:
         return (
             "--sweep-rows x --sweep-hidden must give at least two message sizes (for the link fit)"
         )
-    given = [args.colocated_url, args.attention_url, args.trace, args.checkpoint]
+    given = [args.colocated_url, args.attention_url, args.trace]
     if any(given) and not all(given):
         return (
-            "--colocated-url, --attention-url, --trace and --checkpoint go together (a "
-            "running deployment); missing: "
+            "--colocated-url, --attention-url and --trace go together (a running deployment, "
+            "with --model its checkpoint folder); missing: "
             + ", ".join(
                 f"--{n}"
-                for n, v in zip(
-                    ("colocated-url", "attention-url", "trace", "checkpoint"), given, strict=True
-                )
+                for n, v in zip(("colocated-url", "attention-url", "trace"), given, strict=True)
                 if not v
             )
+        )
+    if any(given):
+        if args.model is None or not (Path(args.model) / "config.json").is_file():
+            return (
+                f"--model={args.model} is not a checkpoint folder holding config.json; with a "
+                "running deployment, give the folder it serves, as given to vllm serve"
+            )
+    elif (args.model or "medium").lower() not in MODELS:
+        return (
+            f"--model={args.model} is invalid; allowed: tiny, medium (a checkpoint folder "
+            "only with --colocated-url, --attention-url and --trace)"
         )
     if args.save_profile and args.no_serving:
         return "--save-profile needs the serving measurements (its fixed costs); drop --no-serving"
@@ -169,14 +197,15 @@ def _serving(args, out: Path, link, rates, progress) -> dict:
         progress(3, f"serving: {what}")
 
     if args.attention_url:
-        model_dir = args.checkpoint
+        model_dir = args.model
         samples = serving.measure(
             args.colocated_url, args.attention_url, args.trace, args.batch, args.tokens,
             args.reps, serving_progress,
         )  # fmt: skip
     else:
-        spec = BENCHMARK_MOE if args.model == "medium" else TinySpec("qwen3_moe")
-        progress(3, f"serving: {args.model} checkpoint")
+        size = (args.model or "medium").lower()
+        spec = BENCHMARK_MOE if size == "medium" else TinySpec("qwen3_moe")
+        progress(3, f"serving: {size} checkpoint")
         model_dir = str(tiny_checkpoint(spec))
         servers, colocated_url, attention_url, trace = serving.local_servers(
             model_dir, max(args.batch), out / "logs"
@@ -218,7 +247,9 @@ def _serving(args, out: Path, link, rates, progress) -> dict:
             )
     return {
         "serving": {
-            "model": args.model if not args.attention_url else "running deployment",
+            "model": (args.model or "medium").lower()
+            if not args.attention_url
+            else "running deployment",
             "checkpoint": model_dir,
             "shape": shape.name,
             "batches": args.batch,
