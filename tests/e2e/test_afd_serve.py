@@ -154,7 +154,7 @@ def test_auto_microbatches_measure_every_m_then_choose_per_step(one_to_one):
     d = one_to_one
     set_m(d.att, 1, decode_threshold=2)
     before = split_steps(d.att)
-    stats = set_m(d.att, "auto")
+    stats = set_m(d.att, "Auto")  # any case, as the config
     assert "tuner" in stats
     out = run_batch(d.att.url)
     assert [len(c.token_ids) for c in out] == [MAX_TOKENS] * 4

@@ -63,7 +63,9 @@ def _require_str(v: Any) -> Any:
     return v
 
 
-def _coerce_microbatches(v: Any) -> Any:
+def coerce_microbatches(v: Any) -> Any:
+    """num_microbatches as the config and the run-time RPC read it: 1..4, or "auto" in any
+    case; ValueError otherwise."""
     if v is None:
         return None
     if isinstance(v, str) and v.strip().lower() == AUTO:
@@ -80,7 +82,7 @@ def _coerce_microbatches(v: Any) -> Any:
 Bool = Annotated[bool, BeforeValidator(_coerce_bool)]
 Int = Annotated[int, BeforeValidator(_coerce_int)]
 Str = Annotated[str, BeforeValidator(_require_str)]
-Microbatches = Annotated[int | Literal["auto"] | None, BeforeValidator(_coerce_microbatches)]
+Microbatches = Annotated[int | Literal["auto"] | None, BeforeValidator(coerce_microbatches)]
 
 
 class AFDConfig(BaseModel):

@@ -15,7 +15,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from afd_core.config import AUTO, require_afd_config
+from afd_core.config import AUTO, coerce_microbatches, require_afd_config
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.step.split import SplitPolicy
 from afd_core.workers.roles import (
@@ -108,10 +108,14 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
         step) and the thresholds."""
         engine = self.afd.engine
         old = engine.policy
-        adaptive = num_microbatches == AUTO
+        try:  # the config's rule: 1..4 or "auto", any case
+            m = coerce_microbatches(num_microbatches)
+        except ValueError as exc:
+            raise ValueError(f"num_microbatches={num_microbatches!r}: {exc}") from None
+        adaptive = m == AUTO
         engine.set_policy(
             SplitPolicy(
-                num_microbatches=engine.max_microbatches if adaptive else int(num_microbatches),
+                num_microbatches=engine.max_microbatches if adaptive else m,
                 decode_token_threshold=int(decode_token_threshold or old.decode_token_threshold),
                 prefill_token_threshold=int(prefill_token_threshold or old.prefill_token_threshold),
             ),
