@@ -18,6 +18,7 @@ from afd_core.planner.model_shape import PRESETS, ModelShape, from_hf_config, lo
 from afd_core.planner.pipeline import megascale_min_microbatches, megascale_step_time, step_time
 from afd_core.planner.search import afd_step, plan
 from afd_core.topology import ffn_layout
+from tests.conftest import REPO
 
 # 1 GB/s, 1 GFLOP/s, 2 us + 1 GB/s link: times in ns are bytes or flops
 UNIT_HW = HardwareProfile("unit", 1, 1, 0.001, 2, 1)
@@ -422,3 +423,8 @@ def test_the_readmes_range_of_predicted_gains():
         plan(PRESETS[m], HW_PRESETS[h], 50, 4096).afd_gain for m in PRESETS for h in HW_PRESETS
     ]
     assert (round(min(gains), 2), round(max(gains), 2)) == (0.66, 1.0), gains
+    readme = (REPO / "README.md").read_text()
+    assert "predicts 0.66–1.00× of colocated expert" in readme
+    # the README's example: DeepSeek-V3 on H200 at 50 ms and 4K
+    v3 = plan(PRESETS["deepseek-v3"], HW_PRESETS["h200"], 50, 4096).afd_gain
+    assert f"(here {v3:.2f}×: AFD does not pay)" in readme and v3 < 1
