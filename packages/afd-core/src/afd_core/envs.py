@@ -23,6 +23,11 @@ AFD_DEPLOYMENT_SECRET_FILE = "AFD_DEPLOYMENT_SECRET_FILE"
 # (connectors/channel_address.py).
 AFD_CHANNEL_ADDRESS = "AFD_CHANNEL_ADDRESS"
 AFD_CHANNEL_INTERFACE = "AFD_CHANNEL_INTERFACE"
+# Where a server's AFD ranks write the numbers its /metrics shows (metrics.py); set by the
+# server's first process unless the user sets it.
+AFD_METRICS_DIR = "AFD_METRICS_DIR"
+# Where generated tiny checkpoints are kept (afd_models.tiny: `afd demo`, `afd bench`, tests).
+AFD_CACHE_DIR = "AFD_CACHE_DIR"
 # vLLM's own variable that selects a MoE routing-simulation strategy.
 VLLM_MOE_ROUTING_SIMULATION_STRATEGY = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
@@ -36,6 +41,8 @@ ALL = {
     AFD_DEPLOYMENT_SECRET_FILE: "a file holding the deployment secret (instead of the value)",
     AFD_CHANNEL_ADDRESS: "local address AFD's channels bind to (default: the one routed to afd.host)",
     AFD_CHANNEL_INTERFACE: "network interface AFD's channels bind to (instead of an address)",
+    AFD_METRICS_DIR: "where AFD ranks write what /metrics shows (default: a temporary folder)",
+    AFD_CACHE_DIR: "where generated tiny checkpoints are kept (default: ~/.cache/afd)",
 }
 
 

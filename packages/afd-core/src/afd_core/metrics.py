@@ -33,7 +33,9 @@ import threading
 import time
 from pathlib import Path
 
-METRICS_DIR_ENV = "AFD_METRICS_DIR"
+from afd_core import envs
+
+METRICS_DIR_ENV = envs.AFD_METRICS_DIR
 PUBLISH_INTERVAL_S = 1.0
 # seconds: an exchange on loopback takes tens of microseconds, a lost peer up to timeout_s
 WAIT_BUCKETS = (1e-5, 1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)

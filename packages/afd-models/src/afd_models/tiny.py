@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from afd_core import envs
+
 FACTORY_VERSION = 2
 ARCHITECTURES = (
     "deepseek_v2",
@@ -109,7 +111,7 @@ BENCHMARK_MOE = TinySpec(
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("AFD_CACHE_DIR") or os.path.join(
+    root = os.environ.get(envs.AFD_CACHE_DIR) or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "afd"
     )
     return Path(root) / "tiny"
