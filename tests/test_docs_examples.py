@@ -106,8 +106,8 @@ def shell_commands(text: str) -> list[list[str]]:
                 argv = []
             elif t in REDIRECTS or t.rstrip("0123456789") in (">", ">>"):
                 k += 1  # the redirection's target
-            elif t.endswith(("2", "1")) and k + 1 < len(tokens) and tokens[k + 1] in REDIRECTS:
-                pass  # `2>` arrives as "2" and ">"
+            elif t.isdigit() and k + 1 < len(tokens) and tokens[k + 1] in REDIRECTS:
+                pass  # a file descriptor: `2>` arrives as "2" and ">"
             else:
                 argv.append(t)
             k += 1
@@ -117,18 +117,21 @@ def shell_commands(text: str) -> list[list[str]]:
 
 
 def _unwrap(argv: list[str]) -> list[str]:
-    """The command a wrapper runs: `uv run [--no-sync ...] CMD`, `timeout N CMD`, `sudo`."""
-    while True:
+    """The command a wrapper runs: `uv run [--no-sync ...] CMD`, `timeout N CMD`, `sudo`,
+    `env [VAR=value ...] CMD`."""
+    while len(argv) > 1:
         if argv[:2] == ["uv", "run"]:
             argv = argv[2:]
             while argv and argv[0].startswith("-"):
                 argv = argv[1:]
-        elif argv[0] in ("sudo", "env"):
+        elif argv[0] in ("sudo", "env") or re.fullmatch(r"\w+=.*", argv[0]):
             argv = argv[1:]
         elif argv[0] == "timeout" and len(argv) > 2:
             argv = argv[2:]
         else:
-            return argv
+            break
+    assert argv, "a wrapper without a command"
+    return argv
 
 
 @cache
@@ -323,3 +326,40 @@ def test_every_relative_link_in_the_docs_resolves():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_extraction_reads_commands_as_a_shell_does():
+    block = (
+        'A=\'"role": "ffn"\'   # a comment\n'
+        'X=1 vllm serve $M --port 8100 \\\n  --additional-config "{\\"afd\\": {$A}}" > log 2>&1 &\n'
+        "M=$(python -m afd_models.tiny qwen3_moe) && afd plan --model x --json | head -1\n"
+        "curl -s localhost:8000/metrics\n"
+    )
+    assert shell_commands(block) == [
+        ["vllm", "serve", "X", "--port", "8100", "--additional-config", '{"afd": {"role": "ffn"}}'],
+        ["python", "-m", "afd_models.tiny", "qwen3_moe"],
+        ["afd", "plan", "--model", "x", "--json"],
+        ["head", "-1"],
+        ["curl", "-s", "localhost:8000/metrics"],
+    ]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "command, error",
+    [
+        ("afd plan --modle x", "does not parse"),
+        ("afd launch examples/no-such.toml --print", "No such file"),
+        ("vllm serve m --tensor-paralel-size 2", "does not parse"),
+        (
+            'vllm serve m --additional-config \'{"afd": {"role": "ffn", "num_attn_ranks": 2}}\'',
+            "unknown key 'num_attn_ranks'",
+        ),
+        ("python benchmarks/tpot.py --no-such-flag", "has no ['--no-such-flag']"),
+        ("./scripts/no-such-script", "is not in this repository"),
+        ("afdd doctor", "unknown command 'afdd'"),
+    ],
+)
+def test_a_wrong_command_in_the_docs_fails(command, error):
+    with pytest.raises(Exception, match=re.escape(error)):
+        check_command(shlex.split(command))
