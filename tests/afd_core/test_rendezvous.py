@@ -4,11 +4,14 @@ takes every interface, whatever the host it is given)."""
 from __future__ import annotations
 
 import socket
+import struct
+import threading
 
 import pytest
 
 from afd_core.connectors.gloo import GlooTransport
 from afd_core.connectors.rendezvous import _listening as reachable
+from afd_core.connectors.rendezvous import connect_to, listening_socket
 from afd_core.connectors.transport import TransportError
 from tests.afd_core.gloo_harness import free_port
 
@@ -40,6 +43,43 @@ def test_a_taken_address_is_a_named_error():
         t = GlooTransport("127.0.0.1", port, 0, 0, 2, True, 1.0, 1.0)
         with pytest.raises(TransportError, match=f"could not listen on 127.0.0.1:{port}"):
             t.open_store()
+
+
+def _connected_to_itself(port: int) -> socket.socket:
+    """What the kernel may make of a connection to a local port where nothing listens: a
+    source port equal to the destination, the socket connected to itself."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.connect(("127.0.0.1", port))
+    assert sock.getsockname() == sock.getpeername()
+    return sock
+
+
+def test_a_connection_to_itself_is_no_rendezvous_and_leaves_the_port_free():
+    """A rank polling for FFN rank 0 before it listens (rendezvous ports from the ephemeral
+    range, as the tests use) may connect to itself: that is 'nothing listens' (it once made
+    the rank wait on itself for minutes), and closing it frees the port at once."""
+    port = free_port()
+    with pytest.raises(ConnectionRefusedError, match="a connection to itself"):
+        connect_to("127.0.0.1", port, 1.0, source_address=("127.0.0.1", port))
+    listening_socket("127.0.0.1", port).close()  # no TIME_WAIT left to keep FFN rank 0 out
+
+
+def test_ffn_rank_0_waits_out_a_probe_that_holds_its_port():
+    """While another rank's probe is connected to itself on the rendezvous port, FFN rank 0
+    cannot listen there: it retries (it once stopped at once with EADDRINUSE)."""
+    import torch.distributed  # noqa: F401 - imported before the probe's second starts
+
+    port = free_port()
+    t = GlooTransport("127.0.0.1", port, 0, 0, 2, True, 10.0, 10.0)
+    probe = _connected_to_itself(port)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    threading.Timer(1.0, probe.close).start()
+    t.open_store()
+    try:
+        assert reachable("127.0.0.1", port)
+    finally:
+        t.close()
 
 
 SECRET = "s3cret-for-the-afd-tests-0123456789"

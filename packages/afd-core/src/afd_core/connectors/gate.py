@@ -23,6 +23,7 @@ import socket
 import threading
 
 from afd_core import envs
+from afd_core.connectors.rendezvous import connect_to, listening_socket
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)
@@ -214,8 +215,6 @@ class Forwarder(_Acceptor):
     to the gate at (host, port) after the handshake."""
 
     def __init__(self, host: str, port: int, secret: bytes):
-        from afd_core.connectors.rendezvous import listening_socket
-
         self._target, self._secret = (host, port), secret
         listener = listening_socket("127.0.0.1", 0)
         self.port = listener.getsockname()[1]
@@ -224,12 +223,12 @@ class Forwarder(_Acceptor):
     def check(self, timeout_s: float) -> None:
         """One handshake now, so a refusal is a named error instead of a store that never
         answers (GateError; OSError while the gate is not up yet)."""
-        with socket.create_connection(self._target, timeout=timeout_s) as sock:
+        with connect_to(*self._target, timeout=timeout_s) as sock:
             client_handshake(sock, self._secret, f"{self._target[0]}:{self._target[1]}")
 
     def _serve_one(self, conn: socket.socket, peer) -> None:
         try:
-            remote = socket.create_connection(self._target, timeout=HANDSHAKE_S)
+            remote = connect_to(*self._target, timeout=HANDSHAKE_S)
             client_handshake(remote, self._secret, f"{self._target[0]}:{self._target[1]}")
         except (OSError, GateError):
             conn.close()
@@ -241,7 +240,7 @@ def gate_greets(host: str, port: int, timeout_s: float = 0.5) -> bool:
     """Whether the rendezvous at (host, port) is a gate (it speaks first; a plain store
     waits for its client)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with connect_to(host, port, timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
             return sock.recv(len(GREETING)) == GREETING
     except OSError:

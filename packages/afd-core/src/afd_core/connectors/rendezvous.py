@@ -13,8 +13,10 @@ accelerators. A dead peer closes its sockets, which fails a pending receive at o
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import socket
+import struct
 import threading
 import time
 from abc import abstractmethod
@@ -25,6 +27,10 @@ from afd_core.connectors.transport import Handle, Transport, TransportError
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # PyTorch's switch: a group's pairs connect on first use
 STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
+# how long FFN rank 0 retries a rendezvous port that is in use: long enough for a peer's
+# momentary connection to itself on that port (see connect_to) to end, short enough that a
+# port held by another process is named at once
+BIND_RETRY_S = 5.0
 CONTROL_TAG, STATUS_TAG = 0, 1  # control channel: attention -> FFN steps, FFN -> attention status
 
 
@@ -82,7 +88,7 @@ class StoreTransport(Transport):
                 if self.is_store_master:
                     # TCPStore's own listener takes every interface whatever the host says:
                     # it gets a socket bound to afd.host's address only
-                    listen_fd = listening_socket(self.host, self.port).detach()
+                    listen_fd = self._listen_rendezvous().detach()
                 self._store = dist.TCPStore(
                     self.host,
                     self.port,
@@ -101,13 +107,29 @@ class StoreTransport(Transport):
                     time.sleep(0.2)
                     continue
                 what = "listen on" if self.is_store_master else "reach FFN rank 0's rendezvous at"
+                within = "" if self.is_store_master else f" within {self.connect_timeout_s:.0f}s"
+                hint = (
+                    "check afd.host/afd.port (another process may hold the port)"
+                    if self.is_store_master
+                    else "check afd.host/afd.port and that the FFN server is started"
+                )
                 raise TransportError(
-                    f"could not {what} {self.host}:{self.port} within "
-                    f"{self.connect_timeout_s:.0f}s ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:200]}); check afd.host/afd.port and that the "
-                    "FFN server is started"
+                    f"could not {what} {self.host}:{self.port}{within} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200]}); {hint}"
                 ) from None
         self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+
+    def _listen_rendezvous(self) -> socket.socket:
+        """FFN rank 0's listener on afd.host:afd.port, retried for BIND_RETRY_S while the
+        port is in use."""
+        give_up = min(time.monotonic() + BIND_RETRY_S, self._deadline)
+        while True:
+            try:
+                return listening_socket(self.host, self.port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= give_up:
+                    raise
+                time.sleep(0.2)
 
     def _refuse_if_gated(self) -> None:
         from afd_core.connectors.gate import SECRET_ENV, SECRET_FILE_ENV, gate_greets
@@ -132,7 +154,7 @@ class StoreTransport(Transport):
         timeout = datetime.timedelta(seconds=max(self._deadline - time.monotonic(), 0.1))
         if self.is_store_master:
             try:
-                door = listening_socket(self.host, self.port)
+                door = self._listen_rendezvous()
             except OSError as exc:
                 raise TransportError(
                     f"could not listen on {self.host}:{self.port} ({exc.strerror}); check "
@@ -414,10 +436,30 @@ def _close_fd(fd: int) -> None:
         pass
 
 
+def connect_to(host: str, port: int, timeout: float, source_address=None) -> socket.socket:
+    """A TCP connection to (host, port); ConnectionRefusedError if nothing listens there.
+
+    Where nothing listens on a local port in the ephemeral range, the kernel may pick that
+    very port as the connection's source and connect the socket to itself (TCP
+    simultaneous open): the attempt "succeeds", reads back what it writes, and while it
+    lasts FFN rank 0 cannot listen there. Such a connection is refused here."""
+    sock = socket.create_connection((host, port), timeout=timeout, source_address=source_address)
+    if sock.getsockname() == sock.getpeername():
+        # closed with a reset: a normal close would leave the port in TIME_WAIT for a
+        # minute, where FFN rank 0 cannot listen on it (its SO_REUSEADDR does not cover a
+        # TIME_WAIT socket that lacked it)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        raise ConnectionRefusedError(
+            errno.ECONNREFUSED, f"nothing listens on {host}:{port} (a connection to itself)"
+        )
+    return sock
+
+
 def _listening(host: str, port: int) -> bool:
     try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
+        connect_to(host, port, timeout=1.0).close()
+        return True
     except OSError:
         return False
 
