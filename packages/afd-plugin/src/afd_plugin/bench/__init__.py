@@ -47,27 +47,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a running deployment: the checkpoint folder it serves, as given to vllm serve",
     )
     p.add_argument(
-        FLAGS["batch"], dest="batch", type=int, nargs="+", default=[16, 64],
+        FLAGS["batch"], dest="batch", type=int, nargs="+", default=[16, 64], metavar="B",
         help="requests per batch, one run each",
     )  # fmt: skip
     p.add_argument(
-        FLAGS["tokens"], dest="tokens", type=int, default=32,
+        FLAGS["tokens"], dest="tokens", type=int, default=32, metavar="N",
         help="decode tokens measured per request",
     )  # fmt: skip
     p.add_argument(
-        FLAGS["reps"], dest="reps", type=int, default=3,
+        FLAGS["reps"], dest="reps", type=int, default=3, metavar="N",
         help="repetitions of every measurement",
     )  # fmt: skip
-    p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    p.add_argument("--sweep-hidden", type=int, nargs="+", default=[2048, 7168])
     p.add_argument(
-        FLAGS["iters"], dest="iters", type=int, default=100, help="round trips per sweep point"
-    )
+        "--sweep-rows", type=int, nargs="+", default=[1, 4, 16, 64, 256], metavar="ROWS",
+        help="rows per exchange in the connector sweep",
+    )  # fmt: skip
+    p.add_argument(
+        "--sweep-hidden", type=int, nargs="+", default=[2048, 7168], metavar="H",
+        help="hidden sizes in the connector sweep",
+    )  # fmt: skip
+    p.add_argument(
+        FLAGS["iters"], dest="iters", type=int, default=100, metavar="N",
+        help="round trips per sweep point",
+    )  # fmt: skip
     p.add_argument("--no-serving", action="store_true", help="only the sweep and compute rates")
     running = p.add_argument_group(
-        "a running deployment instead of servers started here (all four together): a "
-        "colocated server and a 1A1F AFD deployment whose attention server runs with "
-        "--enable-dbo and VLLM_SERVER_DEV_MODE=1, both AFD servers with AFD_STEP_TRACE"
+        "a running deployment instead of servers started here (the three together, and "
+        "--model the checkpoint it serves): a colocated server and a 1A1F AFD deployment "
+        "whose attention server runs with --enable-dbo and VLLM_SERVER_DEV_MODE=1, both AFD "
+        "servers with AFD_STEP_TRACE"
     )
     running.add_argument("--colocated-url", help="e.g. http://127.0.0.1:8000")
     running.add_argument("--attention-url", help="the AFD attention server")
