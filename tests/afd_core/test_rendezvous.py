@@ -11,8 +11,9 @@ import pytest
 
 from afd_core.connectors.gloo import GlooTransport
 from afd_core.connectors.rendezvous import _listening as reachable
-from afd_core.connectors.rendezvous import connect_to, listening_socket
+from afd_core.connectors.rendezvous import listening_socket
 from afd_core.connectors.transport import TransportError
+from afd_core.net import connect_to
 from tests.afd_core.gloo_harness import free_port
 
 pytestmark = pytest.mark.vllm  # needs torch

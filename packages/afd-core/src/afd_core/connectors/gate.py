@@ -23,8 +23,9 @@ import socket
 import threading
 
 from afd_core import envs
-from afd_core.connectors.rendezvous import connect_to, listening_socket
+from afd_core.connectors.rendezvous import listening_socket
 from afd_core.log import get_logger
+from afd_core.net import connect_to
 
 logger = get_logger(__name__)
 

@@ -16,12 +16,12 @@ import datetime
 import errno
 import os
 import socket
-import struct
 import threading
 import time
 from abc import abstractmethod
 
 from afd_core.connectors.transport import Handle, Transport, TransportError
+from afd_core.net import connect_to
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -434,26 +434,6 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def connect_to(host: str, port: int, timeout: float, source_address=None) -> socket.socket:
-    """A TCP connection to (host, port); ConnectionRefusedError if nothing listens there.
-
-    Where nothing listens on a local port in the ephemeral range, the kernel may pick that
-    very port as the connection's source and connect the socket to itself (TCP
-    simultaneous open): the attempt "succeeds", reads back what it writes, and while it
-    lasts FFN rank 0 cannot listen there. Such a connection is refused here."""
-    sock = socket.create_connection((host, port), timeout=timeout, source_address=source_address)
-    if sock.getsockname() == sock.getpeername():
-        # closed with a reset: a normal close would leave the port in TIME_WAIT for a
-        # minute, where FFN rank 0 cannot listen on it (its SO_REUSEADDR does not cover a
-        # TIME_WAIT socket that lacked it)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()
-        raise ConnectionRefusedError(
-            errno.ECONNREFUSED, f"nothing listens on {host}:{port} (a connection to itself)"
-        )
-    return sock
 
 
 def _listening(host: str, port: int) -> bool:
