@@ -127,6 +127,8 @@ def main(args: argparse.Namespace) -> int:
     if problem:
         print(f"afd bench: {problem}", file=sys.stderr)
         return 2
+    if not args.attention_url:  # a generated checkpoint: its size, as one spelling
+        args.model = (args.model or "medium").lower()
     try:
         import matplotlib  # noqa: F401
 
@@ -211,9 +213,8 @@ def _serving(args, out: Path, link, rates, progress) -> dict:
             args.reps, serving_progress,
         )  # fmt: skip
     else:
-        size = (args.model or "medium").lower()
-        spec = BENCHMARK_MOE if size == "medium" else TinySpec("qwen3_moe")
-        progress(3, f"serving: {size} checkpoint")
+        spec = BENCHMARK_MOE if args.model == "medium" else TinySpec("qwen3_moe")
+        progress(3, f"serving: {args.model} checkpoint")
         model_dir = str(tiny_checkpoint(spec))
         servers, colocated_url, attention_url, trace = serving.local_servers(
             model_dir, max(args.batch), out / "logs"
@@ -255,9 +256,7 @@ def _serving(args, out: Path, link, rates, progress) -> dict:
             )
     return {
         "serving": {
-            "model": (args.model or "medium").lower()
-            if not args.attention_url
-            else "running deployment",
+            "model": args.model if not args.attention_url else "running deployment",
             "checkpoint": model_dir,
             "shape": shape.name,
             "batches": args.batch,
