@@ -3,6 +3,7 @@ prepared control messages, for tests of the connector's own bookkeeping (no proc
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from afd_core.config import parse_afd_config
@@ -30,6 +31,9 @@ class RecordingTransport:
 
     def irecv(self, tensor, peer, tag):
         return Done()
+
+    def grouped_ops(self):
+        return contextlib.nullcontext()
 
     def isend_control(self, tensor, peer):
         return Done()

@@ -9,7 +9,8 @@
   stream until the peer's matching one comes, so a receive enqueued before a send on one
   stream would deadlock here as it does on a GPU; and a pair's first operation blocks the
   host until the peer's first operation on that communicator, as NCCL's lazy connection
-  does.
+  does. Between `group_start()` and `group_end()` operations are held back and go out
+  together at the end (one launch, as ncclGroupEnd's); `launches` counts them.
 
 Spawned test processes import this module, so it holds no test functions.
 """
@@ -93,6 +94,7 @@ class HostRuntime(DeviceRuntime):
         self.streams: list[HostStream] = []
         self.capturing = False
         self.waits = 0  # events the caller waited for
+        self._caller = threading.local()
 
     def new_stream(self):
         s = HostStream(f"host-stream-{len(self.streams)}")
@@ -100,7 +102,10 @@ class HostRuntime(DeviceRuntime):
         return s
 
     def current_stream(self):
-        return CallerStream(self)
+        stream = getattr(self._caller, "stream", None)
+        if stream is None:  # one per thread: the same stream compares equal, as CUDA's do
+            stream = self._caller.stream = CallerStream(self)
+        return stream
 
     def new_event(self):
         return HostEvent()
@@ -137,6 +142,26 @@ class OrderedGlooComm:
         self.sent: list[tuple[int, tuple]] = []  # (peer, shape) in issue order, for tests
         self.received: list[tuple[int, tuple]] = []
         self.aborted = False
+        self.launches = 0  # operations outside a group, plus groups
+        self._group: list | None = None  # (stream, fn) held back until group_end
+
+    def group_start(self) -> None:
+        assert self._group is None, "NCCL stand-in: nested group_start"
+        self._group = []
+
+    def group_end(self) -> None:
+        group, self._group = self._group, None
+        assert group is not None, "NCCL stand-in: group_end without group_start"
+        self.launches += 1
+        for stream, fn in group:
+            stream.enqueue(fn)
+
+    def _enqueue(self, stream, fn) -> None:
+        if self._group is not None:
+            self._group.append((stream, fn))
+            return
+        self.launches += 1
+        stream.enqueue(fn)
 
     def _connect(self, peer: int) -> None:
         if peer in self._connected:
@@ -156,12 +181,12 @@ class OrderedGlooComm:
     def send(self, tensor, peer: int, stream) -> None:
         self._connect(peer)
         self.sent.append((peer, tuple(tensor.shape)))
-        stream.enqueue(lambda: self._op(self._pg.send, tensor, peer))
+        self._enqueue(stream, lambda: self._op(self._pg.send, tensor, peer))
 
     def recv(self, tensor, peer: int, stream) -> None:
         self._connect(peer)
         self.received.append((peer, tuple(tensor.shape)))
-        stream.enqueue(lambda: self._op(self._pg.recv, tensor, peer))
+        self._enqueue(stream, lambda: self._op(self._pg.recv, tensor, peer))
 
     def _op(self, post, tensor, peer):
         try:

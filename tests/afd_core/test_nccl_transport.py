@@ -7,6 +7,7 @@ What a GPU is needed for (NCCL itself, CUDA streams and graphs) is in tests/gpu/
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import traceback
@@ -97,9 +98,23 @@ def test_pairs_connect_at_start_up_so_the_first_step_cannot_deadlock(monkeypatch
 # -- what the NCCL transport does with communicators, streams and buffers ----------------
 
 
-def usage_ffn(port, q):
+def _comm_counts(t) -> dict:
+    return {
+        "comms": {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()},
+        "launches": {d: c.launches for d, c in t._comms.items()},
+    }
+
+
+def _count_watched(t) -> list:
+    watched = []
+    real_watch = t._watchdog.watch
+    t._watchdog.watch = lambda *args: (watched.append(args[1]), real_watch(*args))
+    return watched
+
+
+def usage_ffn(port, a, q):
     try:
-        conn = make("ffn", 0, 1, 1, port, router_width=4, token_ids=True)
+        conn = make("ffn", 0, a, 1, port, router_width=4, token_ids=True)
         conn.init()
         ring = [tuple(b.data_ptr() for b in slot) for slot in conn._ring]
         capacity = conn._ring[0][0].shape[0]
@@ -114,33 +129,25 @@ def usage_ffn(port, q):
                     )
                     conn.send_ffn_output(batch.hidden_states * 2, layer, mb)
             conn.finish_step()
-        conn.recv_control()  # the goodbye
+        for _ in range(a):
+            conn.recv_control()  # the goodbyes
         t = conn._transport
-        comms = {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()}
+        counts = _comm_counts(t)
         streams = len(t.runtime.streams)
         conn.close()
-        q.put(
-            (
-                "ffn",
-                {
-                    "ring": ring,
-                    "capacity": capacity,
-                    "addresses": addresses,
-                    "comms": comms,
-                    "streams": streams,
-                },
-            )
-        )
+        result = {"ring": ring, "capacity": capacity, "addresses": addresses, "streams": streams}
+        q.put(("ffn", {**result, **counts}))
     except Exception:
         q.put(("ffn", "ERROR " + traceback.format_exc()))
 
 
-def usage_attn(port, q):
+def usage_attn(port, a, rank, q):
     import torch
 
     try:
-        conn = make("attention", 0, 1, 1, port, router_width=4, token_ids=True)
+        conn = make("attention", rank, a, 1, port, router_width=4, token_ids=True)
         conn.init()
+        watched = _count_watched(conn._transport)
         for rows in [(5,), (2, 3), (64,)]:
             conn.begin_step(rows)
             for layer in range(3):
@@ -152,30 +159,47 @@ def usage_attn(port, q):
                     assert torch.equal(out, h * 2)
             conn.end_step()
         t = conn._transport
-        comms = {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()}
+        counts = _comm_counts(t)
         waits = t.runtime.waits
         conn.close()
-        q.put(("attention", {"comms": comms, "waits": waits}))
+        q.put((f"attention{rank}", {**counts, "waits": waits, "watched": len(watched)}))
     except Exception:
         q.put(("attention", "ERROR " + traceback.format_exc()))
 
 
-def test_one_communicator_per_direction_and_fixed_receive_buffers(over_nccl):
-    out = run_processes([(usage_ffn, port := free_port()), (usage_attn, port)])
+@pytest.mark.parametrize("a", [1, 2], ids=["1A1F", "2A1F"])
+def test_one_launch_per_direction_and_layer_and_fixed_receive_buffers(over_nccl, a):
+    port = free_port()
+    out = run_processes([(usage_ffn, port, a)] + [(usage_attn, port, a, r) for r in range(a)])
     assert_no_errors(out)
-    ffn, attn = out["ffn"], out["attention"]
+    ffn = out["ffn"]
     exchanges = 3 * (1 + 2 + 1)  # layers x micro-batches over the three steps
-    # attention -> FFN: rows, logits and token ids (3 per exchange) on `to_first` only;
-    # FFN -> attention: the outputs on `from_first` only; two streams on each side; plus
-    # the one-byte operation each way that connected the pair at start-up
-    assert attn["comms"] == {"to_first": (3 * exchanges + 1, 0), "from_first": (0, exchanges + 1)}
-    assert ffn["comms"] == {"to_first": (0, 3 * exchanges + 1), "from_first": (exchanges + 1, 0)}
+    for r in range(a):
+        attn = out[f"attention{r}"]
+        # attention -> FFN: rows, logits and token ids (3 per exchange) on `to_first` only;
+        # FFN -> attention: the outputs on `from_first` only; plus the one-byte operation
+        # each way that connected the pair at start-up
+        assert attn["comms"] == {
+            "to_first": (3 * exchanges + 1, 0),
+            "from_first": (0, exchanges + 1),
+        }
+        # one launch (one NCCL group, one event, one watchdog entry) per direction and
+        # exchange: the three sends go out together
+        assert attn["launches"] == {"to_first": exchanges + 1, "from_first": exchanges + 1}
+        assert attn["watched"] == 2 * exchanges  # (the start-up connection polls its own)
+        # the caller's stream joins each launch once: 2 waits per exchange, not 4
+        assert attn["waits"] == 2 * exchanges
+    assert ffn["comms"] == {
+        "to_first": (0, a * (3 * exchanges + 1)),
+        "from_first": (a * (exchanges + 1), 0),
+    }
+    # the FFN rank receives every peer's rows, logits and token ids of a layer/micro-batch
+    # in one launch, and returns every peer's slice in one (start-up: one per peer)
+    assert ffn["launches"] == {"to_first": exchanges + a, "from_first": exchanges + a}
     assert ffn["streams"] == 2
-    # the receive waits ordered the caller after the operations (3 sends + 1 receive each)
-    assert attn["waits"] == 4 * exchanges
-    # receive buffers: allocated once at start-up for the peer's max-num-batched-tokens (64,
-    # so the 64-row step fits), two sets used in turn, the same addresses every step
-    assert ffn["capacity"] == 64
+    # receive buffers: allocated once at start-up for the peers' max-num-batched-tokens
+    # (64 each, so the 64-row step fits), two sets used in turn, the same addresses every step
+    assert ffn["capacity"] == 64 * a
     hidden_slots = {slot[0] for slot in ffn["ring"]}
     logits_slots = {slot[1] for slot in ffn["ring"]}
     assert {h for h, _ in ffn["addresses"]} == hidden_slots
@@ -384,3 +408,135 @@ def test_watchdog_thread_is_set_up_first_and_survives_a_failing_query():
         time.sleep(0.01)
     assert setup == [1] and ev.calls >= 3 and dog.pending() == 0 and fired == []
     dog.stop()
+
+
+class RecordingComm:
+    """A communicator that records its calls; `group=False`: one without group calls (HCCL
+    through torch.distributed), `fail_at`: the operation that raises."""
+
+    def __init__(self, group: bool = True, fail_at: int | None = None):
+        self.calls: list = []
+        self._fail_at = fail_at
+        if group:
+            self.group_start = lambda: self.calls.append("group_start")
+            self.group_end = lambda: self.calls.append("group_end")
+
+    def send(self, tensor, peer, stream):
+        self._op("send", peer, stream)
+
+    def recv(self, tensor, peer, stream):
+        self._op("recv", peer, stream)
+
+    def _op(self, kind, peer, stream):
+        if len([c for c in self.calls if isinstance(c, tuple)]) == self._fail_at:
+            raise RuntimeError("unhandled cuda error")
+        self.calls.append((kind, peer))
+
+    def abort(self):
+        pass
+
+
+def _bare_transport(send_comm, recv_comm):
+    """An NCCL transport wired to the given communicators over the host runtime, with its
+    watchdog's entries recorded."""
+    from afd_core.connectors.device import Watchdog
+    from afd_core.connectors.nccl import NcclTransport
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    runtime = HostRuntime()
+    t = NcclTransport("127.0.0.1", 1, 0, 0, 3, False, 5.0, 5.0, runtime=runtime, comm_factory=None)
+    t._send_comm, t._recv_comm = send_comm, recv_comm
+    t._comms = {"from_first": send_comm, "to_first": recv_comm}
+    t._send_stream, t._recv_stream = runtime.new_stream(), runtime.new_stream()
+    t._watchdog = Watchdog("t", lambda *a: None)
+    return t, _count_watched(t)
+
+
+def test_a_grouped_block_is_one_launch_per_communicator_with_one_event_and_watch():
+    """Item 9 of the CUDA review: every (layer, micro-batch, peer) operation was its own
+    NCCL launch with its own event and watchdog entry. A `grouped_ops` block's operations
+    go out at its end inside the communicator's group calls, one launch per communicator
+    (in the order first used), one watchdog entry each; the caller's stream joins a launch
+    once however many of its handles it waits for."""
+    import torch
+
+    send, recv = RecordingComm(), RecordingComm()
+    t, watched = _bare_transport(send, recv)
+    with t.grouped_ops():
+        handles = [t.isend(torch.ones(2), peer, 0) for peer in (1, 2)]
+        handles.append(t.irecv(torch.ones(2), 1, 0))
+        with t.grouped_ops():  # nested: part of the outer block
+            handles.append(t.isend(torch.ones(2), 1, 0))
+        assert send.calls == [] and recv.calls == []  # nothing goes out inside the block
+        with pytest.raises(RuntimeError, match="waited for inside its own grouped_ops block"):
+            handles[0].wait()
+    assert send.calls == ["group_start", ("send", 1), ("send", 2), ("send", 1), "group_end"]
+    assert recv.calls == [("recv", 1)]  # a launch of one operation needs no group
+    assert watched == ["send to group ranks 1, 2", "receive from group rank 1"]
+    for h in handles:
+        h.wait()
+    assert t.runtime.waits == 2  # one join per launch
+    t.isend(torch.ones(2), 2, 0).wait()  # outside a block: a launch of its own
+    assert send.calls[-1] == ("send", 2) and watched[-1] == "send to group rank 2"
+    assert t.runtime.waits == 3
+    t._watchdog.stop()
+
+
+def test_a_communicator_without_group_calls_gets_the_operations_one_by_one():
+    import torch
+
+    send = RecordingComm(group=False)
+    t, watched = _bare_transport(send, RecordingComm(group=False))
+    with t.grouped_ops():
+        handles = [t.isend(torch.ones(2), peer, 0) for peer in (1, 2)]
+    assert send.calls == [("send", 1), ("send", 2)]
+    assert watched == ["send to group ranks 1, 2"]  # still one event for the launch
+    for h in handles:
+        h.wait()
+    assert t.runtime.waits == 1
+    t._watchdog.stop()
+
+
+def test_a_failed_launch_closes_its_group_and_names_the_operations():
+    """An operation that raises inside a group: ncclGroupEnd is still called (NCCL's group
+    depth must go back to zero), and the error names the launch; nothing is watched."""
+    import torch
+
+    from afd_core.connectors.transport import TransportError
+
+    send = RecordingComm(fail_at=1)
+    t, watched = _bare_transport(send, RecordingComm())
+    failed = pytest.raises(TransportError, match=r"send to group ranks 1, 2: NCCL RuntimeError")
+    with failed, t.grouped_ops():
+        for peer in (1, 2):
+            t.isend(torch.ones(2), peer, 0)
+    assert send.calls == ["group_start", ("send", 1), "group_end"]
+    assert watched == []
+    t._watchdog.stop()
+
+
+def test_vllms_pynccl_has_the_calls_the_nccl_connector_makes():
+    """The nccl connector drives vLLM 0.32's PyNcclCommunicator built from a unique id:
+    send/recv with an explicit stream, group_start/group_end, destroy (the abort)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    assert list(inspect.signature(PyNcclCommunicator.send).parameters) == [
+        "self",
+        "tensor",
+        "dst",
+        "stream",
+    ]
+    assert list(inspect.signature(PyNcclCommunicator.recv).parameters) == [
+        "self",
+        "tensor",
+        "src",
+        "stream",
+    ]
+    assert list(inspect.signature(PyNcclCommunicator.from_unique_id_bytes).parameters)[:4] == [
+        "unique_id_bytes",
+        "rank",
+        "world_size",
+        "device",
+    ]
+    for name in ("group_start", "group_end", "destroy"):
+        assert list(inspect.signature(getattr(PyNcclCommunicator, name)).parameters) == ["self"]

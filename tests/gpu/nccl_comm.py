@@ -3,10 +3,10 @@
 It is AFD's `CommFactory`/`DeviceComm` (afd_core.connectors.device_transport) over NCCL's
 C API through ctypes, making the calls vLLM's `PyNcclCommunicator.from_unique_id_bytes`
 makes (ncclGetUniqueId, ncclCommInitRank, a one-element all-reduce warm-up, ncclSend and
-ncclRecv on the caller's stream, ncclCommAbort off the calling thread with a 5 s join), so
-the NCCL connector meets NCCL as it would under vLLM. `factory()` returns vLLM's own
-(afd_core.connectors.nccl.PyNcclFactory) where vLLM can be imported, else this one; its
-`name` says which ran.
+ncclRecv on the caller's stream, ncclGroupStart/End around a launch, ncclCommAbort off the
+calling thread with a 5 s join), so the NCCL connector meets NCCL as it would under vLLM.
+`factory()` returns vLLM's own (afd_core.connectors.nccl.PyNcclFactory) where vLLM can be
+imported, else this one; its `name` says which ran.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class NcclLibrary:
         lib.ncclRecv.argtypes = [p, sz, i, i, p, p]
         lib.ncclAllReduce.argtypes = [p, p, sz, i, i, p, p]
         lib.ncclCommAbort.argtypes = [p]
-        for name in ("ncclGetUniqueId", "ncclCommInitRank", "ncclSend", "ncclRecv"):
+        lib.ncclGroupStart.argtypes = lib.ncclGroupEnd.argtypes = []
+        names = ("ncclGetUniqueId", "ncclCommInitRank", "ncclSend", "ncclRecv")
+        for name in (*names, "ncclGroupStart", "ncclGroupEnd"):
             getattr(lib, name).restype = i
         lib.ncclAllReduce.restype = lib.ncclCommAbort.restype = i
 
@@ -97,6 +99,12 @@ class CtypesNcclComm:
 
     def recv(self, tensor, peer: int, stream) -> None:
         self._op(self._nccl.lib.ncclRecv, tensor, peer, stream, f"ncclRecv from {peer}")
+
+    def group_start(self) -> None:
+        self._nccl.check(self._nccl.lib.ncclGroupStart(), "ncclGroupStart")
+
+    def group_end(self) -> None:
+        self._nccl.check(self._nccl.lib.ncclGroupEnd(), "ncclGroupEnd")
 
     def abort(self) -> None:
         # as vLLM's PyNcclCommunicator.destroy: ncclCommAbort may wait for graphs that

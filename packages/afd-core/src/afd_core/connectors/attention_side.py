@@ -186,13 +186,20 @@ class AttentionSide:
         if rows:
             try:
                 handles.append(t.irecv(out, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
-                handles.append(t.isend(hidden_states, 0, data_tag(layer, microbatch, KIND_HIDDEN)))
-                if self.wire.router_width:
-                    sent.append(router_logits.contiguous())
-                    handles.append(t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_LOGITS)))
-                if self.wire.token_ids:
-                    sent.append(token_ids.to(torch.int64).contiguous())
-                    handles.append(t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_TOKENS)))
+                with t.grouped_ops():  # the rows, logits and token ids: one launch
+                    handles.append(
+                        t.isend(hidden_states, 0, data_tag(layer, microbatch, KIND_HIDDEN))
+                    )
+                    if self.wire.router_width:
+                        sent.append(router_logits.contiguous())
+                        handles.append(
+                            t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_LOGITS))
+                        )
+                    if self.wire.token_ids:
+                        sent.append(token_ids.to(torch.int64).contiguous())
+                        handles.append(
+                            t.isend(sent[-1], 0, data_tag(layer, microbatch, KIND_TOKENS))
+                        )
             except TransportError as exc:
                 raise self._exchange_error(step, layer, microbatch, exc) from None
         ex = Exchange(self, layer, microbatch, out, handles, tuple(sent))

@@ -1,10 +1,10 @@
 """What a device data channel needs of the accelerator, and its watchdog.
 
-A device transport (NCCL, HCCL) enqueues each send or receive on a stream of its own and
-returns a `DeviceHandle`: waiting on it makes the caller's current stream wait for the
-operation's event, so the host never blocks on the device (the control channel stays the
-only host-side wait of a step), and it works inside a captured graph, where a host wait
-is not allowed. A `Watchdog` thread bounds every operation posted outside a capture: one
+A device transport (NCCL, HCCL) enqueues its sends and receives on streams of its own and
+returns handles whose wait makes the caller's current stream wait for the operations'
+event (`DeviceRuntime.wait_event`), so the host never blocks on the device (the control
+channel stays the only host-side wait of a step), and it works inside a captured graph,
+where a host wait is not allowed. A `Watchdog` thread bounds every operation posted outside a capture: one
 that has not completed by its deadline aborts the channel (an NCCL kernel waiting for a
 dead peer never returns otherwise) and the transport's next call raises the named error.
 
@@ -20,7 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from afd_core.connectors.transport import Handle, TransportError
+from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)
@@ -172,20 +172,6 @@ def _done(event) -> bool:
     except RuntimeError:  # e.g. a capture this thread may not look into: ask again later
         logger.debug("AFD watchdog: event query failed", exc_info=True)
         return False
-
-
-class DeviceHandle(Handle):
-    """A send or receive enqueued on a device stream: `wait` orders the caller's current
-    stream after it (no host wait); the watchdog bounds it."""
-
-    __slots__ = ("_runtime", "_event", "_check")
-
-    def __init__(self, runtime: DeviceRuntime, event, check: Callable[[], None]):
-        self._runtime, self._event, self._check = runtime, event, check
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        self._check()  # a channel the watchdog aborted fails every later wait, by name
-        self._runtime.wait_event(self._event, self._check)
 
 
 class ChannelAborted(TransportError):

@@ -10,15 +10,25 @@ peer answered, which deadlocks as soon as micro-batches overlap. Device communic
 point-to-point operations in issue order per peer, not by tag: the protocol issues every
 data operation in the same order on both sides and keeps its status message on the control
 channel (docs/protocol.md), so the tags the protocol passes are not needed here.
+
+The operations posted inside one `grouped_ops()` block (a layer/micro-batch's sends to every
+peer, or its receives) go out as one launch per communicator, inside the communicator's
+`group_start()`/`group_end()` (NCCL's ncclGroupStart/End) where it has them, with one event
+and one watchdog entry for the launch: not one NCCL kernel, event and watchdog entry per
+(layer, micro-batch, peer, tensor). A communicator without group calls (HCCL through
+torch.distributed) gets its operations one by one, still under one event.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
-from afd_core.connectors.device import ChannelAborted, DeviceHandle, DeviceRuntime, Watchdog
+from afd_core.connectors.device import ChannelAborted, DeviceRuntime, Watchdog
 from afd_core.connectors.p2p import PointToPointConnector
 from afd_core.connectors.rendezvous import StoreTransport
 from afd_core.connectors.transport import Handle, Transport, TransportError
@@ -38,6 +48,9 @@ class DeviceComm(Protocol):
         """Make every enqueued operation return (after a timeout); the communicator is
         unusable afterwards."""
 
+    # Optional: `group_start()` / `group_end()` around operations that go out as one launch
+    # (NCCL's ncclGroupStart/ncclGroupEnd); a communicator without them posts one by one.
+
 
 class CommFactory(Protocol):
     def unique_id(self) -> bytes:
@@ -55,6 +68,46 @@ DIRECTIONS = ("to_first", "from_first")  # attention -> FFN (group rank 0), and 
 PRECONNECT_POLL_S = 0.001
 
 
+class _Launch:
+    """The operations of one communicator posted in one `grouped_ops` block (or a single
+    operation outside any): enqueued together when the block ends, completed by one event."""
+
+    __slots__ = ("comm", "stream", "send", "ops", "event", "joined")
+
+    def __init__(self, comm, stream, send: bool):
+        self.comm, self.stream, self.send = comm, stream, send
+        self.ops: list[tuple] = []  # (tensor, peer)
+        self.event = None  # recorded after the launch
+        self.joined = None  # the stream last ordered after `event` (later waits on it: free)
+
+    def what(self) -> str:
+        peers = sorted({peer for _, peer in self.ops})
+        ranks = ("group rank " if len(peers) == 1 else "group ranks ") + ", ".join(map(str, peers))
+        return f"{'send to' if self.send else 'receive from'} {ranks}"
+
+
+class LaunchHandle(Handle):
+    """One operation of a launch: `wait` orders the caller's current stream after the
+    launch's event (no host wait), once per stream for all the launch's operations."""
+
+    __slots__ = ("_launch", "_transport")
+
+    def __init__(self, launch: _Launch, transport: DeviceTransport):
+        self._launch, self._transport = launch, transport
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        t = self._transport
+        t._check()  # a channel the watchdog aborted fails every later wait, by name
+        launch = self._launch
+        if launch.event is None:
+            raise RuntimeError("an operation was waited for inside its own grouped_ops block")
+        current = t.runtime.current_stream()
+        if launch.joined is not None and launch.joined == current:
+            return
+        t.runtime.wait_event(launch.event, t._check)
+        launch.joined = current
+
+
 class DeviceTransport(StoreTransport):
     channel = "device"  # the communicator's name in error messages (NCCL, HCCL)
 
@@ -67,6 +120,7 @@ class DeviceTransport(StoreTransport):
         self._send_stream = self._recv_stream = None
         self._watchdog: Watchdog | None = None
         self._failure: str | None = None
+        self._block = threading.local()  # .launches: the open grouped_ops block's, by comm
 
     def _connect_data(self, prefix: str) -> None:
         for direction in DIRECTIONS:  # the same order on every member: each join waits
@@ -159,24 +213,63 @@ class DeviceTransport(StoreTransport):
                 f"the {self.channel} data channel is not connected (or already closed)"
             )
 
-    def _post(self, comm, stream, tensor, peer: int, what: str, send: bool) -> Handle:
-        self._check()
-        runtime = self.runtime
-        # the operation runs after everything the caller enqueued so far (the rows are
-        # computed, the receive buffer is free)
-        stream.wait_stream(runtime.current_stream())
+    @contextmanager
+    def grouped_ops(self) -> Iterator[None]:
+        if getattr(self._block, "launches", None) is not None:  # nested: the outer block launches
+            yield
+            return
+        self._block.launches = launches = {}
         try:
-            (comm.send if send else comm.recv)(tensor, peer, stream)
+            yield
+        finally:
+            self._block.launches = None
+        for launch in launches.values():  # one per communicator, in the order first used
+            self._launch(launch)
+
+    def _post(self, comm, stream, tensor, peer: int, send: bool) -> Handle:
+        self._check()
+        launches = getattr(self._block, "launches", None)
+        if launches is None:
+            launch = _Launch(comm, stream, send)
+            launch.ops.append((tensor, peer))
+            self._launch(launch)
+        else:
+            launch = launches.get(id(comm))
+            if launch is None:
+                launch = launches[id(comm)] = _Launch(comm, stream, send)
+            launch.ops.append((tensor, peer))
+        return LaunchHandle(launch, self)
+
+    def _launch(self, launch: _Launch) -> None:
+        self._check()
+        runtime, comm, stream = self.runtime, launch.comm, launch.stream
+        # the operations run after everything the caller enqueued so far (the rows are
+        # computed, the receive buffers are free)
+        stream.wait_stream(runtime.current_stream())
+        op = comm.send if launch.send else comm.recv
+        grouped = len(launch.ops) > 1 and hasattr(comm, "group_start")
+        try:
+            if grouped:
+                comm.group_start()
+            try:
+                for tensor, peer in launch.ops:
+                    op(tensor, peer, stream)
+            finally:
+                if grouped:
+                    comm.group_end()
         except Exception as exc:
-            raise TransportError(f"{what}: {self.channel} {type(exc).__name__}: {exc}") from None
+            raise TransportError(
+                f"{launch.what()}: {self.channel} {type(exc).__name__}: {exc}"
+            ) from None
         event = runtime.new_event()
         event.record(stream)
+        launch.event = event
         if not runtime.is_capturing():
-            # a captured operation runs at replay, where no Python runs: the replay as a
-            # whole is watched instead (watch_device_work, after each replay)
-            runtime.record_stream(tensor, stream)
-            self._watchdog.watch(event, what, self.timeout_s)
-        return DeviceHandle(runtime, event, self._check)
+            # a captured launch runs at replay, where no Python runs: the replay as a whole
+            # is watched instead (watch_device_work, after each replay)
+            for tensor, _ in launch.ops:
+                runtime.record_stream(tensor, stream)
+            self._watchdog.watch(event, launch.what(), self.timeout_s)
 
     def watch_device_work(self, what: str) -> None:
         self._check()
@@ -185,19 +278,10 @@ class DeviceTransport(StoreTransport):
         self._watchdog.watch(event, what, self.timeout_s)
 
     def isend(self, tensor, peer: int, tag: int) -> Handle:
-        return self._post(
-            self._send_comm, self._send_stream, tensor, peer, f"send to group rank {peer}", True
-        )
+        return self._post(self._send_comm, self._send_stream, tensor, peer, True)
 
     def irecv(self, tensor, peer: int, tag: int) -> Handle:
-        return self._post(
-            self._recv_comm,
-            self._recv_stream,
-            tensor,
-            peer,
-            f"receive from group rank {peer}",
-            False,
-        )
+        return self._post(self._recv_comm, self._recv_stream, tensor, peer, False)
 
     def close(self) -> None:
         if self._watchdog is not None:

@@ -44,6 +44,16 @@ class PendingBatch:
         return self._batch
 
 
+def _peer_views(rows, hidden, logits, ids):
+    """(peer index, [(its slice of each receive buffer, kind)]) of every peer with rows."""
+    off = 0
+    for i, n in enumerate(rows):
+        if n:
+            kinds = ((hidden, KIND_HIDDEN), (logits, KIND_LOGITS), (ids, KIND_TOKENS))
+            yield i, [(b[off : off + n], kind) for b, kind in kinds if b is not None]
+            off += n
+
+
 class FFNDataPath:
     """PointToPointConnector's FFN data path (a mixin: the connector's state is its own)."""
 
@@ -56,31 +66,28 @@ class FFNDataPath:
         rows = plan.rows[microbatch]
         hidden, logits, ids = self._receive_buffers(sum(rows))
         handles = []
-        off = 0
-        for i, n in enumerate(rows):
-            if n == 0:
-                continue
-            views = [
-                (b[off : off + n], kind)
-                for b, kind in ((hidden, KIND_HIDDEN), (logits, KIND_LOGITS), (ids, KIND_TOKENS))
-                if b is not None
-            ]
-            off += n
-            if not self._active_peers[i]:  # lost during this step: its rows are zeros
-                for view, _ in views:
-                    view.zero_()
-                continue
-            try:  # straight into the concatenated buffer: row slices are contiguous
-                for view, kind in views:
-                    handles.append(
-                        (i, t.irecv(view, i + 1, data_tag(layer, microbatch, kind)), view)
-                    )
-            except TransportError as exc:
-                self._lose_peer_or_raise(i, self._batch_error(i, layer, microbatch, exc))
-                for view, _ in views:
-                    view.zero_()
+        try:
+            with t.grouped_ops():  # every peer's receives: one launch
+                for i, views in _peer_views(rows, hidden, logits, ids):
+                    self._post_receives(t, i, views, layer, microbatch, handles)
+        except TransportError as exc:  # the launch of a device transport (no peer loss there)
+            raise self._launch_error("receiving", layer, microbatch, exc) from None
         batch = FFNBatch(hidden, logits, rows, ids)
         return PendingBatch(self, layer, microbatch, batch, handles)
+
+    def _post_receives(self, t, i: int, views, layer: int, microbatch: int, handles) -> None:
+        """Post peer i's receives straight into the concatenated buffers (a peer's rows are
+        a contiguous slice); a lost peer's rows are zeros."""
+        if self._active_peers[i]:
+            try:
+                for view, kind in views:
+                    handle = t.irecv(view, i + 1, data_tag(layer, microbatch, kind))
+                    handles.append((i, handle, view))
+                return
+            except TransportError as exc:
+                self._lose_peer_or_raise(i, self._batch_error(i, layer, microbatch, exc))
+        for view, _ in views:
+            view.zero_()
 
     def _complete_batch(self, pending: PendingBatch) -> None:
         t0 = now()
@@ -123,6 +130,14 @@ class FFNDataPath:
         return AFDPeerError(
             f"{self._me()} waiting for layer {layer} (micro-batch {microbatch}) of step "
             f"{self._peer_step[i] - 1} from attention rank {self.peers[i]}: {exc}"
+        )
+
+    def _launch_error(self, doing: str, layer, microbatch, exc) -> AFDPeerError:
+        up = zip(self.peers, self._active_peers, strict=True)
+        ranks = ", ".join(str(rank) for rank, active in up if active)
+        return AFDPeerError(
+            f"{self._me()} {doing} layer {layer} (micro-batch {microbatch}) of step "
+            f"{self._step}, attention ranks {ranks}: {exc}"
         )
 
     def recv_attn_output(self, layer: int, microbatch: int = 0) -> FFNBatch:
@@ -198,18 +213,24 @@ class FFNDataPath:
         else:
             output = output.contiguous()
         off = 0
-        for i, n in enumerate(rows):
-            off += n
-            if n == 0 or not self._active_peers[i]:
-                continue
-            try:
-                tag = data_tag(layer, microbatch, KIND_HIDDEN)
-                handle = t.isend(output[off - n : off], i + 1, tag)
-            except TransportError as exc:
-                self._lose_peer_or_raise(i, self._return_error(i, layer, microbatch, exc))
-                continue
-            # the output stays referenced until settle_sends joins the send (see Exchange)
-            self._pending_sends.append((i, layer, microbatch, handle, output))
+        try:
+            with t.grouped_ops():  # every peer's slice: one launch
+                for i, n in enumerate(rows):
+                    off += n
+                    if n == 0 or not self._active_peers[i]:
+                        continue
+                    try:
+                        tag = data_tag(layer, microbatch, KIND_HIDDEN)
+                        handle = t.isend(output[off - n : off], i + 1, tag)
+                    except TransportError as exc:
+                        error = self._return_error(i, layer, microbatch, exc)
+                        self._lose_peer_or_raise(i, error)
+                        continue
+                    # the output stays referenced until settle_sends joins the send (see
+                    # Exchange)
+                    self._pending_sends.append((i, layer, microbatch, handle, output))
+        except TransportError as exc:  # the launch of a device transport (no peer loss there)
+            raise self._launch_error("returning", layer, microbatch, exc) from None
 
     def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(

@@ -32,6 +32,12 @@ class _PyNcclComm:
     def recv(self, tensor, peer: int, stream) -> None:
         self._comm.recv(tensor, peer, stream)
 
+    def group_start(self) -> None:
+        self._comm.group_start()  # ncclGroupStart
+
+    def group_end(self) -> None:
+        self._comm.group_end()  # ncclGroupEnd: the operations since group_start go out
+
     def abort(self) -> None:
         self._comm.destroy()  # ncclCommAbort, off the calling thread (vLLM's own guard)
 

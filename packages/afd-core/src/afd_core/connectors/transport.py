@@ -12,6 +12,7 @@ be touched by the caller until its handle completed. The blocking calls are thin
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,6 +101,13 @@ class Transport(ABC):
     def irecv_status(self, tensor: torch.Tensor, peer: int) -> Handle:
         """Receive a step's status (CPU uint8); the handle's wait is bounded by the
         transport's step timeout."""
+
+    def grouped_ops(self) -> AbstractContextManager[None]:
+        """A block whose data operations (`isend`/`irecv`) may go out together when it ends:
+        one launch per communicator on a device transport (NCCL's group calls). Their
+        handles must not be waited for inside the block. Host transports post each
+        operation at once: nothing to group."""
+        return nullcontext()
 
     def watch_device_work(self, what: str) -> None:
         """Bound the device work enqueued so far on the caller's current stream (a replayed
