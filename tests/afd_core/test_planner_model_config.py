@@ -288,3 +288,31 @@ def test_a_shapes_sliding_window_layers_are_checked():
         replace(m, sliding_window=0)
     with pytest.raises(PlanInputError, match=r"num_sliding_window_layers=37 are more than"):
         replace(m, num_sliding_window_layers=37)
+
+
+def test_mxfp4_counts_the_routed_experts_at_4_25_bits_and_the_rest_at_the_dtype():
+    """gpt-oss-120b ships MXFP4 experts (4-bit values, one 8-bit scale per 32) and bf16
+    everything else, as vLLM 0.32's Mxfp4Config loads it. Counted at bf16 throughout the
+    planner put 233.6 GB on the devices; OpenAI's model card gives the checkpoint as
+    60.8 GiB."""
+    m = from_hf_config(GPT_OSS | {"quantization_config": {"quant_method": "mxfp4"}}, "g.json")
+    assert (m.weight_bytes, m.routed_expert_bytes) == (2.0, 4.25 / 8)
+    total = m.attention_params_total * m.weight_bytes + m.ffn_weight_bytes_total
+    assert total / 2**30 == pytest.approx(60.8, rel=0.01)
+    plain = from_hf_config(GPT_OSS, "g.json")
+    assert plain.routed_expert_bytes == 2.0 and plain.ffn_weight_bytes_total == pytest.approx(
+        plain.ffn_params_total * 2.0
+    )
+    # decode on few rows is memory-bound: reading a quarter of the expert bytes shows
+    hw = HW_PRESETS["h200"]
+    assert costs.ffn_layer_time(m, hw, 8, 1) < 0.5 * costs.ffn_layer_time(plain, hw, 8, 1)
+    # an explicit width overrides every weight, the experts' included
+    assert m.with_bytes(weight_bytes=1.0).routed_expert_bytes == 1.0
+    # as does weight_bytes when reading the config (an unknown quantization is then fine)
+    awq = GPT_OSS | {"quantization_config": {"quant_method": "awq"}}
+    assert from_hf_config(awq, "g.json", weight_bytes=0.5).routed_expert_bytes == 0.5
+    with pytest.raises(PlanInputError, match=r"quant_method='awq' is not known to the planner"):
+        from_hf_config(awq, "g.json")
+    # FP8 stays one byte for every weight
+    fp8 = from_hf_config(GPT_OSS | {"quantization_config": {"quant_method": "fp8"}}, "g.json")
+    assert (fp8.weight_bytes, fp8.routed_expert_bytes) == (1.0, 1.0)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 
 def test_the_cli_prints_a_plan_and_exits_by_the_verdict(capsys, tmp_path):
     from afd_plugin.cli import main
@@ -9,7 +11,8 @@ def test_the_cli_prints_a_plan_and_exits_by_the_verdict(capsys, tmp_path):
     assert main(["plan", "--model", "qwen3-30b-a3b", "--hardware", "h100", "--tpot-ms", "30",
                  "--context", "4096", "--max-devices", "16"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "qwen3-30b-a3b on h100" in out and "colocated expert parallel" in out
+    assert "qwen3-30b-a3b (61.1 GB of weights) on h100" in out  # bf16: 30.5B x 2 bytes
+    assert "colocated expert parallel" in out
     assert out.strip().splitlines()[-1].startswith(("AFD pays", "AFD does not pay here"))
     assert main(["plan", "--model", "deepseek-v3", "--hardware", "h200", "--tpot-ms", "0.5",
                  "--context", "4096", "--json"]) == 3  # fmt: skip
@@ -49,3 +52,22 @@ def test_the_cli_exits_2_naming_a_bad_config(tmp_path, capsys):
     assert err.startswith(f"afd plan: model config {path}: field 'num_hidden_layers' = ")
     assert '"forty-eight" is invalid; allowed: an integer in [1, 1024]' in err
     assert "Traceback" not in err
+
+
+def test_a_quantization_the_planner_does_not_know_needs_weight_bytes(tmp_path, capsys):
+    """An AWQ checkpoint: the planner cannot tell its bytes per weight and says so, naming
+    the field, the value, what it knows and the flag; with --weight-bytes it plans."""
+    from afd_plugin.cli import main
+    from tests.afd_core.test_planner_model_config import QWEN3_MOE, _write
+
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    path = _write(tmp_path, QWEN3_MOE | {"quantization_config": awq})
+    argv = ["plan", "--model", path, "--hardware", "h200", "--tpot-ms", "50", "--context", "4096"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"model config {path}: quantization_config.quant_method='awq' is not known" in err
+    assert "known: 'fp8' (1 byte per weight), 'mxfp4'" in err and "--weight-bytes" in err
+    assert main([*argv, "--weight-bytes", "0.5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_gb"] == pytest.approx(15.3, abs=0.1)
+    assert main([*argv, "--weight-bytes", "0"]) == 2
+    assert "afd plan: --weight-bytes=0.0 is invalid; allowed: > 0" in capsys.readouterr().err

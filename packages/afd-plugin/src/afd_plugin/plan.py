@@ -35,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, required=True, help="context length in tokens")
     p.add_argument("--max-devices", type=int, default=128, help="devices available")
     p.add_argument("--top", type=int, default=8, help="shapes to list")
-    p.add_argument("--weight-bytes", type=float, help="bytes per weight (override the config)")
+    p.add_argument(
+        "--weight-bytes",
+        type=float,
+        help="bytes per weight, the experts' included (instead of the config's dtype and "
+        "quantization_config)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--write-spec",
@@ -63,11 +68,9 @@ def main(args: argparse.Namespace) -> int:
     from afd_core.planner.search import plan
 
     try:
-        model = load_model(args.model)
-        if args.weight_bytes is not None:
-            if not args.weight_bytes > 0:
-                raise PlanInputError(f"--weight-bytes={args.weight_bytes} must be > 0")
-            model = model.with_bytes(weight_bytes=args.weight_bytes)
+        if args.weight_bytes is not None and not args.weight_bytes > 0:
+            raise PlanInputError(f"--weight-bytes={args.weight_bytes} is invalid; allowed: > 0")
+        model = load_model(args.model, args.weight_bytes)
         hw = load_hardware(args.hardware)
         for flag, value, ok, allowed in (
             ("--tpot-ms", args.tpot_ms, args.tpot_ms > 0, "> 0 (milliseconds)"),
@@ -121,8 +124,9 @@ def _write_spec(args: argparse.Namespace, result) -> int:
 
 def render(result, hw) -> str:
     lines = [
-        f"{result.model} on {result.hardware} ({hw.source or 'custom profile'}), TPOT <= "
-        f"{result.tpot_target_ms:g} ms, context {result.context}",
+        f"{result.model} ({result.weights_gb:,.1f} GB of weights) on {result.hardware} "
+        f"({hw.source or 'custom profile'}), TPOT <= {result.tpot_target_ms:g} ms, "
+        f"context {result.context}",
         "",
         "AFD: A attention devices : F FFN devices, m micro-batches, B requests per attention "
         "device (capped by: the TPOT target or memory); attn, ffn and xfer: microseconds per "

@@ -82,7 +82,8 @@ def ffn_layer_time(
         return overhead + roofline(p * model.weight_bytes / f, 2.0 * rows * p / f, hw)
     active = expected_active_experts(model.num_experts, model.top_k, rows)
     replicated = model.shared_params + model.router_params  # on every FFN device
-    nbytes = (active * model.expert_params / f + replicated) * model.weight_bytes
+    experts_read = active * model.expert_params / f * model.routed_expert_bytes
+    nbytes = experts_read + replicated * model.weight_bytes
     per_token = model.top_k * model.expert_params + model.shared_params
     flops = 2.0 * rows * (per_token / f + model.router_params)
     return overhead + roofline(nbytes, flops, hw)

@@ -94,6 +94,9 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     weight_bytes: float = 2.0  # per parameter (1 for FP8 checkpoints)
+    # per routed-expert parameter where only the experts are quantized (MXFP4: 4.25 bits);
+    # 0: weight_bytes
+    expert_weight_bytes: float = 0.0
     kv_bytes: float = 2.0  # per cached element (and per linear-attention state element)
     wire_bytes: float = 2.0  # per hidden element exchanged between the roles
     # a sigmoid gate on the attention output, projected with q (Qwen3-Next, Qwen3.5)
@@ -237,6 +240,18 @@ class ModelShape:
         return self.hidden_size * self.num_experts
 
     @property
+    def routed_expert_bytes(self) -> float:
+        """Bytes per parameter of a routed expert."""
+        return self.expert_weight_bytes or self.weight_bytes
+
+    @property
+    def ffn_weight_bytes_total(self) -> float:
+        """The FFN role's weights in bytes, the routed experts at their own width."""
+        routed = self.num_moe_layers * self.num_experts * self.expert_params
+        rest = self.ffn_params_total - routed
+        return routed * self.routed_expert_bytes + rest * self.weight_bytes
+
+    @property
     def ffn_params_total(self) -> int:
         """Everything the FFN role holds: experts, shared experts, routers, dense MLPs."""
         moe = self.num_experts * self.expert_params + self.shared_params + self.router_params
@@ -308,11 +323,12 @@ class ModelShape:
         return 4.0 * self.num_heads * self.head_dim * context
 
     def with_bytes(self, weight_bytes: float | None = None, kv_bytes: float | None = None):
-        return replace(
-            self,
-            weight_bytes=self.weight_bytes if weight_bytes is None else weight_bytes,
-            kv_bytes=self.kv_bytes if kv_bytes is None else kv_bytes,
-        )
+        """`weight_bytes` overrides every weight's width, the experts' included."""
+        if weight_bytes is None:
+            weights = {}
+        else:
+            weights = {"weight_bytes": weight_bytes, "expert_weight_bytes": 0.0}
+        return replace(self, **weights, kv_bytes=self.kv_bytes if kv_bytes is None else kv_bytes)
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -485,12 +501,39 @@ def _attention_layer_kinds(cfg: dict, layers: int, source: str) -> tuple[int, in
     return linear, layers - linear, window
 
 
-def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
+# MXFP4: 4-bit values with one 8-bit scale per block of 32 (the OCP microscaling format)
+MXFP4_BYTES = (4 + 8 / 32) / 8
+
+
+def _weight_bytes(quant: dict, dtype: str, source: str) -> tuple[float, float]:
+    """(bytes per weight, bytes per routed-expert weight or 0 for the same) of a checkpoint's
+    quantization_config, as vLLM 0.32 loads it."""
+    plain = float(_DTYPE_BYTES.get(dtype, 2))
+    if not quant:
+        return plain, 0.0
+    method = str(quant.get("quant_method", ""))
+    if "fp8" in method.lower():
+        return 1.0, 0.0
+    if method.lower() == "mxfp4":
+        # vLLM's Mxfp4Config quantizes the routed experts only; linear and attention layers
+        # load unquantized (model_executor/layers/quantization/mxfp4.py)
+        return plain, MXFP4_BYTES
+    raise PlanInputError(
+        f"model config {source}: quantization_config.quant_method={method!r} is not known "
+        "to the planner; known: 'fp8' (1 byte per weight), 'mxfp4' (the routed experts at "
+        f"{MXFP4_BYTES * 8:g} bits); pass --weight-bytes to give the bytes per weight"
+    )
+
+
+def from_hf_config(
+    cfg: dict, source: str = "<dict>", weight_bytes: float | None = None
+) -> ModelShape:
     """The shape of a MoE model from its HF config (a multimodal config's text_config is
     used, with the outer name, dtype and quantization where it has none). DeepSeek-V2/V3,
     GLM-4.x MoE, Qwen2/3-MoE, Qwen3-Next/3.5 (hybrid attention) and Mixtral-style
     (num_local_experts, the expert width in intermediate_size) field names are understood.
-    Every integer field is checked against RANGES."""
+    Every integer field is checked against RANGES. `weight_bytes`: every weight's width,
+    instead of what the dtype and quantization_config say."""
     if isinstance(cfg.get("text_config"), dict):
         outer = {k: cfg[k] for k in ("quantization_config", "torch_dtype", "dtype") if k in cfg}
         cfg = {**outer, **cfg["text_config"], **{k: v for k, v in cfg.items() if k == "name"}}
@@ -515,11 +558,11 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
             shared = _int(cfg, "shared_expert_intermediate_size", source, 0)
         dense_inter = _int(cfg, "intermediate_size", source, 0)
     quant = cfg.get("quantization_config")
-    quant = {} if quant is None else quant
+    quant = {} if quant is None or weight_bytes is not None else quant
     if not isinstance(quant, dict):
         raise _bad(source, "quantization_config", quant, "an object")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    wbytes = 1.0 if "fp8" in str(quant.get("quant_method", "")) else _DTYPE_BYTES.get(dtype, 2)
+    wbytes, expert_bytes = _weight_bytes(quant, dtype, source)
     heads = _int(cfg, "num_attention_heads", source)
     if _int(cfg, "kv_lora_rank", source, 0):
         kw = dict(
@@ -546,7 +589,7 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
     top_k = _first_int(cfg, ("num_experts_per_tok", "moe_topk", "top_k"), source)
     vocab = _int(cfg, "vocab_size", source)
     try:
-        return ModelShape(
+        shape = ModelShape(
             name=str(cfg.get("name") or cfg.get("model_type") or source),
             hidden_size=hidden,
             num_layers=layers,
@@ -559,6 +602,7 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
             vocab_size=vocab,
             num_heads=heads,
             weight_bytes=float(wbytes),
+            expert_weight_bytes=expert_bytes,
             kv_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
             wire_bytes=float(_DTYPE_BYTES.get(dtype, 2)),
             attention_output_gate=gate,
@@ -569,12 +613,17 @@ def from_hf_config(cfg: dict, source: str = "<dict>") -> ModelShape:
         )
     except PlanInputError as exc:  # a check across fields (top_k > experts): name the file
         raise PlanInputError(f"model config {source}: {exc}") from None
+    return shape if weight_bytes is None else shape.with_bytes(weight_bytes=weight_bytes)
 
 
-def load_model(spec: str) -> ModelShape:
-    """A preset name, a config.json path, or a checkpoint folder holding config.json."""
+def load_model(spec: str, weight_bytes: float | None = None) -> ModelShape:
+    """A preset name, a config.json path, or a checkpoint folder holding config.json;
+    `weight_bytes` overrides the width of every weight."""
+    if weight_bytes is not None and not weight_bytes > 0:
+        raise PlanInputError(f"weight bytes={weight_bytes} is invalid; allowed: > 0")
     if spec.lower() in PRESETS:  # as hardware presets: DeepSeek-V3 is deepseek-v3
-        return PRESETS[spec.lower()]
+        preset = PRESETS[spec.lower()]
+        return preset if weight_bytes is None else preset.with_bytes(weight_bytes=weight_bytes)
     path = Path(spec)
     if path.is_dir():
         path = path / "config.json"
@@ -589,4 +638,4 @@ def load_model(spec: str) -> ModelShape:
         raise PlanInputError(f"model config {path}: not valid JSON ({exc})") from exc
     if not isinstance(cfg, dict):
         raise PlanInputError(f"model config {path}: expected a JSON object")
-    return from_hf_config(cfg, str(path))
+    return from_hf_config(cfg, str(path), weight_bytes)

@@ -81,6 +81,7 @@ class Plan:
     colocated: list[Colocated] = field(default_factory=list)  # best first
     fastest_afd_tpot_ms: float | None = None  # batch 1 per micro-batch, best shape
     fastest_colocated_tpot_ms: float | None = None
+    weights_gb: float = 0.0  # the model's weights as planned (GB: 1e9 bytes)
 
     @property
     def slo_met(self) -> bool:
@@ -124,6 +125,7 @@ class Plan:
             "hardware": self.hardware,
             "tpot_target_ms": self.tpot_target_ms,
             "context": self.context,
+            "weights_gb": self.weights_gb,
             "slo_met": self.slo_met,
             "afd_gain": self.afd_gain,
             "verdict": self.verdict(),
@@ -271,8 +273,11 @@ def plan(
     # decode contexts grow during a request: plan at the given context (the worst case of
     # a request that has reached it)
     mem = hw.usable_memory_bytes
-    ffn_bytes = model.ffn_params_total * model.weight_bytes
+    ffn_bytes = model.ffn_weight_bytes_total
     result = Plan(model.name, hw.name, tpot_target_ms, context)
+    result.weights_gb = (
+        model.attention_params_total * model.weight_bytes + model.ffn_weight_bytes_total
+    ) / 1e9
     best_per_shape: list[Candidate] = []
     fastest = None
     for f in FFN_COUNTS:
