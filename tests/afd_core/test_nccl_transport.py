@@ -106,6 +106,8 @@ def _comm_counts(t) -> dict:
 
 
 def _count_watched(t) -> list:
+    """What the transport hands its watchdog, in order (counted as handed over: the watchdog
+    drops completed ones at once)."""
     watched = []
     real_watch = t._watchdog.watch
     t._watchdog.watch = lambda *args: (watched.append(args[1]), real_watch(*args))
@@ -275,40 +277,58 @@ def test_watchdog_fires_once_for_the_first_late_operation():
     assert fired == [("receive from group rank 1", 0.2)]
 
 
+class RecordingComm:
+    """A communicator that records its calls; `group=False`: one without group calls (HCCL
+    through torch.distributed), `fail_at`: the operation that raises."""
+
+    def __init__(self, group: bool = True, fail_at: int | None = None):
+        self.calls: list = []
+        self._fail_at = fail_at
+        if group:
+            self.group_start = lambda: self.calls.append("group_start")
+            self.group_end = lambda: self.calls.append("group_end")
+
+    def send(self, tensor, peer, stream):
+        self._op("send", peer, stream)
+
+    def recv(self, tensor, peer, stream):
+        self._op("recv", peer, stream)
+
+    def _op(self, kind, peer, stream):
+        if len([c for c in self.calls if isinstance(c, tuple)]) == self._fail_at:
+            raise RuntimeError("unhandled cuda error")
+        self.calls.append((kind, peer))
+
+    def abort(self):
+        pass
+
+
+def _bare_transport(send_comm, recv_comm):
+    """An NCCL transport wired to the given communicators over the host runtime, with its
+    watchdog's entries recorded."""
+    from afd_core.connectors.device import Watchdog
+    from afd_core.connectors.nccl import NcclTransport
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    runtime = HostRuntime()
+    t = NcclTransport("127.0.0.1", 1, 0, 0, 3, False, 5.0, 5.0, runtime=runtime, comm_factory=None)
+    t._send_comm, t._recv_comm = send_comm, recv_comm
+    t._comms = {"from_first": send_comm, "to_first": recv_comm}
+    t._send_stream, t._recv_stream = runtime.new_stream(), runtime.new_stream()
+    t._watchdog = Watchdog("t", lambda *a: None)
+    return t, _count_watched(t)
+
+
 def test_captured_operations_are_not_watched_and_keep_their_buffers():
     """Inside a graph capture no Python runs at replay: nothing is put under the watchdog
     (the step's status bounds a replay) and no allocator hint is given."""
     import torch
 
-    from afd_core.connectors.nccl import NcclTransport
-    from tests.afd_core.nccl_standin import HostRuntime
-
-    class Comm:
-        def __init__(self):
-            self.ops = []
-
-        def send(self, tensor, peer, stream):
-            self.ops.append(("send", peer))
-
-        def recv(self, tensor, peer, stream):
-            self.ops.append(("recv", peer))
-
-        def abort(self):
-            pass
-
-    runtime = HostRuntime()
-    t = NcclTransport("127.0.0.1", 1, 0, 1, 2, False, 5.0, 5.0, runtime=runtime, comm_factory=None)
-    comm = Comm()
-    t._send_comm = t._recv_comm = comm
-    t._send_stream, t._recv_stream = runtime.new_stream(), runtime.new_stream()
+    comm = RecordingComm(group=False)
+    t, watched = _bare_transport(comm, comm)
+    runtime = t.runtime
     hints = []
     runtime.record_stream = lambda tensor, stream: hints.append(stream)
-    from afd_core.connectors.device import Watchdog
-
-    t._watchdog = Watchdog("t", lambda *a: None)
-    watched = []  # counted as handed over (the watchdog drops completed ones at once)
-    real_watch = t._watchdog.watch
-    t._watchdog.watch = lambda *a: (watched.append(a[1]), real_watch(*a))
     runtime.capturing = True
     t.isend(torch.ones(2), 0, 0)
     t.irecv(torch.ones(2), 0, 0)
@@ -316,7 +336,7 @@ def test_captured_operations_are_not_watched_and_keep_their_buffers():
     runtime.capturing = False
     t.isend(torch.ones(2), 0, 0)
     assert watched == ["send to group rank 0"] and len(hints) == 1
-    assert comm.ops == [("send", 0), ("recv", 0), ("send", 0)]
+    assert comm.calls == [("send", 0), ("recv", 0), ("send", 0)]
     t._watchdog.stop()
 
 
@@ -408,48 +428,6 @@ def test_watchdog_thread_is_set_up_first_and_survives_a_failing_query():
         time.sleep(0.01)
     assert setup == [1] and ev.calls >= 3 and dog.pending() == 0 and fired == []
     dog.stop()
-
-
-class RecordingComm:
-    """A communicator that records its calls; `group=False`: one without group calls (HCCL
-    through torch.distributed), `fail_at`: the operation that raises."""
-
-    def __init__(self, group: bool = True, fail_at: int | None = None):
-        self.calls: list = []
-        self._fail_at = fail_at
-        if group:
-            self.group_start = lambda: self.calls.append("group_start")
-            self.group_end = lambda: self.calls.append("group_end")
-
-    def send(self, tensor, peer, stream):
-        self._op("send", peer, stream)
-
-    def recv(self, tensor, peer, stream):
-        self._op("recv", peer, stream)
-
-    def _op(self, kind, peer, stream):
-        if len([c for c in self.calls if isinstance(c, tuple)]) == self._fail_at:
-            raise RuntimeError("unhandled cuda error")
-        self.calls.append((kind, peer))
-
-    def abort(self):
-        pass
-
-
-def _bare_transport(send_comm, recv_comm):
-    """An NCCL transport wired to the given communicators over the host runtime, with its
-    watchdog's entries recorded."""
-    from afd_core.connectors.device import Watchdog
-    from afd_core.connectors.nccl import NcclTransport
-    from tests.afd_core.nccl_standin import HostRuntime
-
-    runtime = HostRuntime()
-    t = NcclTransport("127.0.0.1", 1, 0, 0, 3, False, 5.0, 5.0, runtime=runtime, comm_factory=None)
-    t._send_comm, t._recv_comm = send_comm, recv_comm
-    t._comms = {"from_first": send_comm, "to_first": recv_comm}
-    t._send_stream, t._recv_stream = runtime.new_stream(), runtime.new_stream()
-    t._watchdog = Watchdog("t", lambda *a: None)
-    return t, _count_watched(t)
 
 
 def test_a_grouped_block_is_one_launch_per_communicator_with_one_event_and_watch():

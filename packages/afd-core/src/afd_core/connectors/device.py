@@ -4,9 +4,10 @@ A device transport (NCCL, HCCL) enqueues its sends and receives on streams of it
 returns handles whose wait makes the caller's current stream wait for the operations'
 event (`DeviceRuntime.wait_event`), so the host never blocks on the device (the control
 channel stays the only host-side wait of a step), and it works inside a captured graph,
-where a host wait is not allowed. A `Watchdog` thread bounds every operation posted outside a capture: one
-that has not completed by its deadline aborts the channel (an NCCL kernel waiting for a
-dead peer never returns otherwise) and the transport's next call raises the named error.
+where a host wait is not allowed. A `Watchdog` thread bounds every operation posted
+outside a capture: one that has not completed by its deadline aborts the channel (an NCCL
+kernel waiting for a dead peer never returns otherwise) and the transport's next call
+raises the named error.
 
 `DeviceRuntime` is the seam the tests swap: `CudaRuntime` on CUDA, a host stand-in on CPU.
 """

@@ -223,6 +223,7 @@ class DeviceTransport(StoreTransport):
             yield
         finally:
             self._block.launches = None
+        self._check()  # the watchdog may have aborted the channel since the posts
         for launch in launches.values():  # one per communicator, in the order first used
             self._launch(launch)
 
@@ -241,7 +242,6 @@ class DeviceTransport(StoreTransport):
         return LaunchHandle(launch, self)
 
     def _launch(self, launch: _Launch) -> None:
-        self._check()
         runtime, comm, stream = self.runtime, launch.comm, launch.stream
         # the operations run after everything the caller enqueued so far (the rows are
         # computed, the receive buffers are free)

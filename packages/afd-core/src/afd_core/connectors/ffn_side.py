@@ -44,14 +44,21 @@ class PendingBatch:
         return self._batch
 
 
-def _peer_views(rows, hidden, logits, ids):
-    """(peer index, [(its slice of each receive buffer, kind)]) of every peer with rows."""
+def _peer_rows(rows):
+    """(peer index, its slice of the micro-batch's rows) of every peer with rows: the peers'
+    rows are concatenated in peer order."""
     off = 0
     for i, n in enumerate(rows):
         if n:
-            kinds = ((hidden, KIND_HIDDEN), (logits, KIND_LOGITS), (ids, KIND_TOKENS))
-            yield i, [(b[off : off + n], kind) for b, kind in kinds if b is not None]
+            yield i, slice(off, off + n)
             off += n
+
+
+def _peer_views(rows, hidden, logits, ids):
+    """(peer index, [(its slice of each receive buffer, kind)]) of every peer with rows."""
+    kinds = ((hidden, KIND_HIDDEN), (logits, KIND_LOGITS), (ids, KIND_TOKENS))
+    for i, part in _peer_rows(rows):
+        yield i, [(b[part], kind) for b, kind in kinds if b is not None]
 
 
 class FFNDataPath:
@@ -212,25 +219,23 @@ class FFNDataPath:
             output = output.clone(memory_format=torch.contiguous_format)
         else:
             output = output.contiguous()
-        off = 0
         try:
             with t.grouped_ops():  # every peer's slice: one launch
-                for i, n in enumerate(rows):
-                    off += n
-                    if n == 0 or not self._active_peers[i]:
-                        continue
-                    try:
-                        tag = data_tag(layer, microbatch, KIND_HIDDEN)
-                        handle = t.isend(output[off - n : off], i + 1, tag)
-                    except TransportError as exc:
-                        error = self._return_error(i, layer, microbatch, exc)
-                        self._lose_peer_or_raise(i, error)
-                        continue
-                    # the output stays referenced until settle_sends joins the send (see
-                    # Exchange)
-                    self._pending_sends.append((i, layer, microbatch, handle, output))
+                for i, part in _peer_rows(rows):
+                    if self._active_peers[i]:
+                        self._post_return(t, i, output, part, layer, microbatch)
         except TransportError as exc:  # the launch of a device transport (no peer loss there)
             raise self._launch_error("returning", layer, microbatch, exc) from None
+
+    def _post_return(self, t, i: int, output, part: slice, layer: int, microbatch: int) -> None:
+        """Post the send of peer i's rows of the output."""
+        try:
+            handle = t.isend(output[part], i + 1, data_tag(layer, microbatch, KIND_HIDDEN))
+        except TransportError as exc:
+            self._lose_peer_or_raise(i, self._return_error(i, layer, microbatch, exc))
+            return
+        # the output stays referenced until settle_sends joins the send (see Exchange)
+        self._pending_sends.append((i, layer, microbatch, handle, output))
 
     def _return_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
