@@ -297,7 +297,7 @@ def test_mxfp4_counts_the_routed_experts_at_4_25_bits_and_the_rest_at_the_dtype(
     60.8 GiB."""
     m = from_hf_config(GPT_OSS | {"quantization_config": {"quant_method": "mxfp4"}}, "g.json")
     assert (m.weight_bytes, m.routed_expert_bytes) == (2.0, 4.25 / 8)
-    total = m.attention_params_total * m.weight_bytes + m.ffn_weight_bytes_total
+    total = m.attention_weight_bytes_total + m.ffn_weight_bytes_total
     assert total / 2**30 == pytest.approx(60.8, rel=0.01)
     plain = from_hf_config(GPT_OSS, "g.json")
     assert plain.routed_expert_bytes == 2.0 and plain.ffn_weight_bytes_total == pytest.approx(

@@ -245,6 +245,11 @@ class ModelShape:
         return self.expert_weight_bytes or self.weight_bytes
 
     @property
+    def attention_weight_bytes_total(self) -> float:
+        """The attention role's weights in bytes (no routed expert there)."""
+        return self.attention_params_total * self.weight_bytes
+
+    @property
     def ffn_weight_bytes_total(self) -> float:
         """The FFN role's weights in bytes, the routed experts at their own width."""
         routed = self.num_moe_layers * self.num_experts * self.expert_params
@@ -562,7 +567,10 @@ def from_hf_config(
     if not isinstance(quant, dict):
         raise _bad(source, "quantization_config", quant, "an object")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    wbytes, expert_bytes = _weight_bytes(quant, dtype, source)
+    if weight_bytes is None:
+        wbytes, expert_bytes = _weight_bytes(quant, dtype, source)
+    else:
+        wbytes, expert_bytes = weight_bytes, 0.0
     heads = _int(cfg, "num_attention_heads", source)
     if _int(cfg, "kv_lora_rank", source, 0):
         kw = dict(
@@ -589,7 +597,7 @@ def from_hf_config(
     top_k = _first_int(cfg, ("num_experts_per_tok", "moe_topk", "top_k"), source)
     vocab = _int(cfg, "vocab_size", source)
     try:
-        shape = ModelShape(
+        return ModelShape(
             name=str(cfg.get("name") or cfg.get("model_type") or source),
             hidden_size=hidden,
             num_layers=layers,
@@ -613,7 +621,6 @@ def from_hf_config(
         )
     except PlanInputError as exc:  # a check across fields (top_k > experts): name the file
         raise PlanInputError(f"model config {source}: {exc}") from None
-    return shape if weight_bytes is None else shape.with_bytes(weight_bytes=weight_bytes)
 
 
 def load_model(spec: str, weight_bytes: float | None = None) -> ModelShape:

@@ -213,9 +213,7 @@ def _kv_cache_bytes(model: ModelShape, batch: int, context: float) -> float:
 
 
 def _attention_memory(model: ModelShape, batch: int, context: float) -> float:
-    return model.attention_params_total * model.weight_bytes + _kv_cache_bytes(
-        model, batch, context
-    )
+    return model.attention_weight_bytes_total + _kv_cache_bytes(model, batch, context)
 
 
 def _max_batch(fits, lo: int, step: int) -> int:
@@ -275,9 +273,7 @@ def plan(
     mem = hw.usable_memory_bytes
     ffn_bytes = model.ffn_weight_bytes_total
     result = Plan(model.name, hw.name, tpot_target_ms, context)
-    result.weights_gb = (
-        model.attention_params_total * model.weight_bytes + model.ffn_weight_bytes_total
-    ) / 1e9
+    result.weights_gb = (model.attention_weight_bytes_total + ffn_bytes) / 1e9
     best_per_shape: list[Candidate] = []
     fastest = None
     for f in FFN_COUNTS:
@@ -324,7 +320,7 @@ def plan(
     colo, colo_fastest = [], None
     n = 1
     while n <= max_devices:
-        per_device = model.attention_params_total * model.weight_bytes + ffn_bytes / n
+        per_device = model.attention_weight_bytes_total + ffn_bytes / n
         if per_device <= mem:
             first = colocated_step(model, hw, n, 1, context)[0]
             colo_fastest = first if colo_fastest is None else min(colo_fastest, first)
