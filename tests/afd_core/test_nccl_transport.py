@@ -18,7 +18,14 @@ from afd_core.config import parse_afd_config
 from afd_core.connectors.registry import default_connector_for
 from afd_core.errors import AFDConfigError
 from tests.afd_core import test_step_protocol as step_protocol
-from tests.afd_core.gloo_harness import HIDDEN, assert_no_errors, free_port, make, run_processes
+from tests.afd_core.gloo_harness import (
+    HIDDEN,
+    LAYERS,
+    assert_no_errors,
+    free_port,
+    make,
+    run_processes,
+)
 
 pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
 
@@ -93,6 +100,64 @@ def test_pairs_connect_at_start_up_so_the_first_step_cannot_deadlock(monkeypatch
     for key in (("ffn", 0), ("attention", 0)):
         text = str(results[key])
         assert "found no first operation of the peer" in text, text
+
+
+def late_ffn(port, a, q):
+    try:
+        conn = make("ffn", 0, a, 1, port, connect_timeout=LATE_CONNECT_S)
+        conn.init()
+        plan = conn.recv_control()
+        for layer in range(LAYERS):
+            for mb in range(plan.num_microbatches):
+                batch = conn.recv_attn_output(layer, mb)
+                conn.send_ffn_output(batch.hidden_states * 2, layer, mb)
+        conn.finish_step()
+        for _ in range(a):
+            conn.recv_control()  # the goodbyes
+        conn.close()
+        q.put(("ffn", "ok"))
+    except Exception:
+        q.put(("ffn", "ERROR " + traceback.format_exc()))
+
+
+def late_attn(port, a, rank, q):
+    import os
+
+    import torch
+
+    # gloo's pair: the side with the lower address waits for the other's connect; here
+    # always the FFN rank (127.0.0.1), as it would be half the time by port order
+    os.environ["AFD_CHANNEL_ADDRESS"] = "127.0.0.2"
+    try:
+        conn = make("attention", rank, a, 1, port, connect_timeout=LATE_CONNECT_S)
+        conn.init()
+        time.sleep(LATE_CONNECT_S * 2)  # longer than the connect timeout
+        conn.begin_step((2,))
+        for layer in range(LAYERS):
+            h = torch.full((2, HIDDEN), float(rank + 1))
+            assert torch.equal(conn.start_exchange(h, layer).wait(), h * 2)
+        conn.end_step()
+        conn.close()
+        q.put((rank, "ok"))
+    except Exception:
+        q.put((rank, "ERROR " + traceback.format_exc()))
+
+
+LATE_CONNECT_S = 2.0
+
+
+@pytest.mark.parametrize("connector", ["nccl", "gloo"])
+def test_a_peer_whose_first_step_comes_after_the_connect_timeout_is_served(monkeypatch, connector):
+    """Each control pair connects at start-up (one word each way, within the connect
+    timeout). Left to the first step, the FFN rank's control listener posted its receive at
+    once and its pair waited for the peer's connect, which came with the peer's first step:
+    4 s after a 2 s connect timeout, the FFN rank failed ("control receive: no answer
+    within 2592000s") and took the deployment down."""
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    port = free_port()
+    out = run_processes([(late_ffn, port, 2)] + [(late_attn, port, 2, r) for r in range(2)])
+    assert out == {"ffn": "ok", 0: "ok", 1: "ok"}, out
 
 
 # -- what the NCCL transport does with communicators, streams and buffers ----------------

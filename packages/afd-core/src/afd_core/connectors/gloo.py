@@ -4,8 +4,9 @@ of AFD's own.
 
 Each FFN rank k and its attention peers form one group (FFN rank at group rank 0). In the
 AFD group itself each attention member has a link of its own with the FFN rank: two
-two-member gloo groups (control, with a very long timeout; data, with the step timeout; a
-gloo timeout closes the pair, so it is fatal, as a lost peer mid-step is). A lost member
+two-member gloo groups (control, whose idle receive waits very long; data, whose operations
+wait the step timeout; a gloo timeout closes the pair, so it is fatal, as a lost peer
+mid-step is; each pair connects within the connect timeout). A lost member
 fails alone, and a restarted one gets a fresh link (`relink`, `join_link`: a gloo pair that
 failed cannot connect again). The groups between the FFN rank's own workers (tensor
 parallel, expert groups) are one group of all members. Every group connects a pair at its
@@ -14,7 +15,6 @@ first operation (`gloo_group`). vLLM's own process groups are never touched.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 from afd_core.connectors.p2p import PointToPointConnector
@@ -24,8 +24,6 @@ from afd_core.connectors.rendezvous import (
     gloo_group,
 )
 from afd_core.connectors.transport import Handle, Transport, TransportError
-
-LINK_TAG = 1 << 30  # a link's first word each way; no data or control tag comes near it
 
 
 @dataclass
@@ -64,48 +62,28 @@ class GlooTransport(StoreTransport):
 
         prefix = f"{self._prefix}/link{member}/{incarnation}"
         me = 0 if self.group_rank == 0 else 1
-        # a group's own timeout bounds how long its pair tries to connect (gloo retries a
-        # refused connection that long, inside the first operation): the connect timeout
-        # here, not the control channel's 30 days (its idle receive passes those itself)
-        ctrl = gloo_group(
-            dist.PrefixStore(prefix + "/ctrl", self._store),
-            me,
-            2,
-            datetime.timedelta(seconds=self.connect_timeout_s),
-            self.channel_device(),  # a device per group (channel_address.py)
-        )
-        data = gloo_group(
-            dist.PrefixStore(prefix + "/data", self._store),
-            me,
-            2,
-            datetime.timedelta(seconds=self.timeout_s),
-            self.channel_device(),
+        ctrl, data = (
+            gloo_group(
+                dist.PrefixStore(f"{prefix}/{channel}", self._store),
+                me,
+                2,
+                self.connect_timeout_s,  # each pair connects within it (gloo_group)
+                self.channel_device(),  # a device per group (channel_address.py)
+            )
+            for channel in ("ctrl", "data")
         )
         return Link(ctrl, data, 1 - me)
 
     def _check_link(self, peer: int) -> None:
-        """Connect both pairs of a link now, one word each way, while its other side does
-        the same: a gloo pair connects at its first operation, and the thread posting it
-        waits in the store for the other side's address, holding the store client (no other
-        store call of this process passes meanwhile). Done lazily by a listener, that wait
-        would last until the peer's first step."""
-        import torch
-
-        self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+        """Connect both pairs of a link now, while its other side does the same
+        (`_connect_pair`: left to the first step, a listener would wait for it)."""
         link = self._links[peer]
-        word = torch.zeros(1, dtype=torch.int64)
         what = (
             f"connecting AFD group {self.group}'s link with group rank {peer} "
             f"({self.channel_where()})"
         )
         for group in (link.ctrl, link.data):
-            ops = (group.recv, group.send) if self.group_rank == 0 else (group.send, group.recv)
-            for op in ops:
-                self._handle(
-                    lambda op=op, group=group: op([word], link.remote, LINK_TAG),
-                    what,
-                    bound_s=self.connect_timeout_s,
-                ).wait()
+            self._connect_pair(group, 1 - link.remote, link.remote, what)
 
     def relink(self, member: int, incarnation: int) -> None:
         """FFN rank: a restarted member's fresh link replaces its failed one (the member
@@ -145,7 +123,7 @@ class GlooTransport(StoreTransport):
             dist.PrefixStore(prefix + "/data", self._store),
             self.group_rank,
             self.group_size,
-            datetime.timedelta(seconds=self.timeout_s),
+            self.connect_timeout_s,
             self.channel_device(),
         )
 

@@ -4,8 +4,10 @@ FFN rank 0 hosts a TCPStore at `host:port`; every rank of the deployment reaches
 start-up (roll call, the deployment's shape, failure reasons, barriers), and each group of
 one FFN rank and its attention peers waits there for all its members before it connects.
 The control channel (one small int64 message per step, the status message, side groups'
-commands) is a gloo process group on CPU with a very long timeout, because an FFN rank
-waits for the next step as long as its peers are idle; it never synchronizes a device.
+commands) is a gloo process group on CPU whose idle receive waits very long, because an FFN
+rank waits for the next step as long as its peers are idle; it never synchronizes a device.
+Every gloo operation of AFD's passes its own bound; a group's own timeout bounds only how
+long its pairs connect (`gloo_group`).
 The data channel is the subclass's: gloo on CPU (`gloo.py`), a device communicator on
 accelerators. A dead peer closes its sockets, which fails a pending receive at once.
 """
@@ -26,17 +28,22 @@ from afd_core.net import connect_to
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # PyTorch's switch: a group's pairs connect on first use
+# gloo's side of a pair that waits for the other side's connect waits five times its
+# group's timeout (tcp::Pair::waitUntilConnected, "a longer timeout when waiting for
+# initial connect"): measured 27/52/102 s at a group timeout of 5/10/20 s
+GLOO_INITIAL_CONNECT_FACTOR = 5
 STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
 # how long FFN rank 0 retries a rendezvous port that is in use: long enough for a peer's
 # momentary connection to itself on that port (see connect_to) to end, short enough that a
 # port held by another process is named at once
 BIND_RETRY_S = 5.0
 CONTROL_TAG, STATUS_TAG = 0, 1  # control channel: attention -> FFN steps, FFN -> attention status
+FIRST_WORD_TAG = 1 << 30  # a pair's first word each way at start-up; no other tag comes near
 
 
 class StoreTransport(Transport):
     """A transport's shared part: FFN rank 0's TCPStore (rendezvous, barriers, roll call)
-    and the control channel, a gloo process group on CPU with a very long timeout. A
+    and the control channel, a gloo process group on CPU (its idle receive waits very long). A
     subclass adds the data channel (`_connect_data`, `isend`, `irecv`): gloo on CPU, a
     device communicator on accelerators."""
 
@@ -264,9 +271,39 @@ class StoreTransport(Transport):
             dist.PrefixStore(prefix + "/ctrl", self._store),
             self.group_rank,
             self.group_size,
-            CONTROL_TIMEOUT,
+            self.connect_timeout_s,
             self.channel_device(),
         )
+        # group rank 0's pair with each member: what every step uses (an AFD group's steps
+        # and statuses, a tensor-parallel leader's commands); an expert group's other pairs
+        # connect in its first group step, which every member enters at once
+        for peer in range(1, self.group_size) if self.group_rank == 0 else (0,):
+            self._connect_pair(
+                self._ctrl,
+                self.group_rank,
+                peer,
+                f"connecting AFD group {self.group}'s control channel with group rank {peer} "
+                f"({self.channel_where()})",
+            )
+
+    def _connect_pair(self, group, me: int, remote: int, what: str) -> None:
+        """Connect one pair of a gloo group now, one word each way (the lower rank receives
+        first) while the other side does the same, within the connect timeout. A pair
+        connects at its first operation; left to the first step, the side that waits for
+        the other's connect would wait from its first receive (posted at start-up by a
+        listener) to the peer's first step, and fail if that came after the connect bound
+        (`gloo_group`)."""
+        import torch
+
+        self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+        word = torch.zeros(1, dtype=torch.int64)
+        ops = (group.recv, group.send) if me < remote else (group.send, group.recv)
+        for op in ops:
+            self._handle(
+                lambda op=op: op([word], remote, FIRST_WORD_TAG),
+                what,
+                bound_s=self.connect_timeout_s,
+            ).wait()
 
     def _channel_choice(self) -> tuple[str, str]:
         """Where this transport's channels bind (channel_address.py), chosen at its first
@@ -328,15 +365,12 @@ class StoreTransport(Transport):
     def store_try_get(self, key: str) -> bytes | None:
         return self._store.get(key) if self._store.check([key]) else None
 
-    def _handle(
-        self, post, what: str, bounded: bool = False, bound_s: float | None = None
-    ) -> Handle:
-        """A posted gloo operation; `bounded` waits at most the step timeout by default
-        (an operation of the control channel otherwise waits as long as its group),
-        `bound_s` at most that long."""
+    def _handle(self, post, what: str, bound_s: float | None = None) -> Handle:
+        """A posted gloo operation, whose wait lasts at most the step timeout (`bound_s`:
+        that long). Posting may connect the pair first (`gloo_group`)."""
         timeout_s = self.timeout_s if bound_s is None else bound_s
         try:
-            return GlooHandle(post(), what, timeout_s, bounded or bound_s is not None)
+            return GlooHandle(post(), what, timeout_s)
         except Exception as exc:  # posting fails at once when the pair is already closed
             raise TransportError(f"{what}: {gloo_reason(exc, timeout_s)}") from None
 
@@ -345,7 +379,6 @@ class StoreTransport(Transport):
         return self._handle(
             lambda: _op(self._ctrl_of(peer), "send", tensor, CONTROL_TAG),
             "control send",
-            bounded=True,
         )
 
     def irecv_control(self, tensor, peer: int) -> Handle:
@@ -360,14 +393,12 @@ class StoreTransport(Transport):
         return self._handle(
             lambda: _op(self._ctrl_of(peer), "send", tensor, STATUS_TAG),
             "status send",
-            bounded=True,
         )
 
     def irecv_status(self, tensor, peer: int) -> Handle:
         return self._handle(
             lambda: _op(self._ctrl_of(peer), "recv", tensor, STATUS_TAG),
             "status receive",
-            bounded=True,
         )
 
 
@@ -391,18 +422,22 @@ def abort_groups(*groups) -> None:
 _lazy_lock = threading.Lock()
 
 
-def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta, device):
+def gloo_group(store, rank: int, size: int, connect_timeout_s: float, device):
     """A gloo process group on `device` (channel_address.py: the address AFD's channels
     bind to) whose pairs connect at their first operation, not all at once: in an AFD group
     only the FFN rank talks to each attention peer, and a full mesh of 64 peers would hold
     about 2,000 connections per group for nothing. PyTorch reads its switch
     (TORCH_GLOO_LAZY_INIT) from the environment when a group is built, beside the device's
-    own flag: set for AFD's groups only, and put back."""
+    own flag: set for AFD's groups only, and put back.
+
+    The group's own timeout bounds how long a pair connects, inside its first operation,
+    to `connect_timeout_s` (after the store gave the peer's address: the store's timeout
+    bounds that wait); every operation passes its own bound to `wait`."""
     import torch.distributed as dist
 
     options = dist.ProcessGroupGloo._Options()
     options._devices = [device]
-    options._timeout = timeout
+    options._timeout = datetime.timedelta(seconds=connect_timeout_s / GLOO_INITIAL_CONNECT_FACTOR)
     with _lazy_lock:
         before = os.environ.get(LAZY_INIT)
         os.environ[LAZY_INIT] = "1"
@@ -454,23 +489,17 @@ def gloo_reason(exc: BaseException, timeout_s: float) -> str:
 
 
 class GlooHandle(Handle):
-    """A posted gloo operation; by default the group's own timeout bounds `wait` (timeout_s
-    for data, CONTROL_TIMEOUT for control), or timeout_s when `bounded`."""
+    """A posted gloo operation; `wait` lasts at most timeout_s unless told otherwise (never
+    the group's own timeout, which is the connect bound: `gloo_group`)."""
 
-    __slots__ = ("_work", "_what", "_timeout_s", "_bound")
+    __slots__ = ("_work", "_what", "_timeout_s")
 
-    def __init__(self, work, what: str, timeout_s: float, bounded: bool = False):
+    def __init__(self, work, what: str, timeout_s: float):
         self._work, self._what, self._timeout_s = work, what, timeout_s
-        self._bound = timeout_s if bounded else None
 
     def wait(self, timeout_s: float | None = None) -> None:
-        if timeout_s is None:
-            timeout_s = self._bound
+        bound = self._timeout_s if timeout_s is None else timeout_s
         try:
-            if timeout_s is None:
-                self._work.wait()
-            else:
-                self._work.wait(datetime.timedelta(seconds=timeout_s))
+            self._work.wait(datetime.timedelta(seconds=bound))
         except Exception as exc:
-            bound = self._timeout_s if timeout_s is None else timeout_s
             raise TransportError(f"{self._what}: {gloo_reason(exc, bound)}") from None
