@@ -112,7 +112,8 @@ def test_a_rank_bound_to_an_address_its_peer_cannot_reach_fails_naming_it(tmp_pa
         assert "channels at " + h_ffn.address in out["ffn"][0], out
         # within the connect timeout, not gloo's five times its group's timeout (the
         # attention rank is the side waiting for a connect: 127.0.0.1 sorts first)
-        for role, (_, elapsed_s) in out.items():
+        for role, (error, elapsed_s) in out.items():
+            assert f"the pair did not connect within {CONNECT_TIMEOUT_S}s" in error, out
             assert elapsed_s < 2 * CONNECT_TIMEOUT_S, (role, elapsed_s)
 
 

@@ -242,3 +242,28 @@ def test_a_stranger_in_another_network_namespace_is_refused_and_changes_nothing(
             master.close()
         ip("netns", "del", ns, check=False)
         ip("link", "del", veth, check=False)
+
+
+def test_a_pair_that_did_not_connect_is_named_with_the_connect_bound():
+    """gloo's words for a pair that did not connect, from either side, become the connect
+    bound and the address tried (without gloo's sequence number); other failures keep the
+    operation's own bound."""
+    from afd_core.connectors.rendezvous import gloo_reason
+
+    refused = RuntimeError(
+        "[pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+        "remote=[127.0.0.1]:47007$0"
+    )
+    assert gloo_reason(refused, 2592000, connect_s=6) == (
+        "the pair did not connect within 6s (timed out connecting: SO_ERROR: Connection "
+        "refused, remote=[127.0.0.1]:47007)"
+    )
+    waited = RuntimeError("[pair.cc:1] Connect timeout [none]")
+    assert (
+        gloo_reason(waited, 120, connect_s=6)
+        == "the pair did not connect within 6s (Connect timeout)"
+    )
+    assert (
+        gloo_reason(RuntimeError("Timed out waiting 5000ms"), 5, connect_s=6)
+        == "no answer within 5s"
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 import socket
 import threading
 import time
@@ -372,7 +373,8 @@ class StoreTransport(Transport):
         try:
             return GlooHandle(post(), what, timeout_s)
         except Exception as exc:  # posting fails at once when the pair is already closed
-            raise TransportError(f"{what}: {gloo_reason(exc, timeout_s)}") from None
+            reason = gloo_reason(exc, timeout_s, connect_s=self.connect_timeout_s)
+            raise TransportError(f"{what}: {reason}") from None
 
     def isend_control(self, tensor, peer: int) -> Handle:
         # bounded: the peer's listener has its receive posted whenever it is alive
@@ -479,8 +481,18 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def gloo_reason(exc: BaseException, timeout_s: float) -> str:
+def gloo_reason(exc: BaseException, timeout_s: float, connect_s: float | None = None) -> str:
+    """Why a gloo operation failed, in words; `connect_s`: the bound of the pair's connect,
+    which a posted operation makes first (gloo_group)."""
     text = str(exc)
+    # gloo's words for a pair that did not connect: the side waiting for the connect, the
+    # side connecting (after its tries; the address it tried follows)
+    for words in ("Connect timeout", "timed out connecting"):
+        if connect_s is not None and words in text:
+            detail = text.split(words, 1)[1].strip(" :").splitlines()[0][:200]
+            detail = re.sub(r"\$\d+$", "", detail)  # gloo's sequence number of the pair
+            said = f"{words}: {detail}" if detail not in ("", "[none]") else words
+            return f"the pair did not connect within {connect_s:.0f}s ({said})"
     if "Connection closed by peer" in text or "Connection reset" in text:
         return "the peer closed the connection (process exited or crashed)"
     if "Timed out" in text or "timeout" in text.lower():
