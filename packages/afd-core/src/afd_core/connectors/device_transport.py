@@ -156,7 +156,7 @@ class DeviceTransport(StoreTransport):
 
         rt = self.runtime
         first = self.group_rank == 0
-        peers = range(1, self.group_size) if first else (0,)
+        peers = self.peer_ranks
         buffers, events = [], []
         for direction in DIRECTIONS:
             sending = first == (direction == "from_first")

@@ -275,10 +275,10 @@ class StoreTransport(Transport):
             self.connect_timeout_s,
             self.channel_device(),
         )
-        # group rank 0's pair with each member: what every step uses (an AFD group's steps
-        # and statuses, a tensor-parallel leader's commands); an expert group's other pairs
-        # connect in its first group step, which every member enters at once
-        for peer in range(1, self.group_size) if self.group_rank == 0 else (0,):
+        # the pairs every step uses (an AFD group's steps and statuses, a tensor-parallel
+        # leader's commands); an expert group's other pairs connect in its first group
+        # step, which every member enters at once
+        for peer in self.peer_ranks:
             self._connect_pair(
                 self._ctrl,
                 self.group_rank,
@@ -286,6 +286,12 @@ class StoreTransport(Transport):
                 f"connecting AFD group {self.group}'s control channel with group rank {peer} "
                 f"({self.channel_where()})",
             )
+
+    @property
+    def peer_ranks(self) -> range | tuple[int]:
+        """The group ranks this rank's steps talk to: group rank 0 with each member, a
+        member with group rank 0."""
+        return range(1, self.group_size) if self.group_rank == 0 else (0,)
 
     def _connect_pair(self, group, me: int, remote: int, what: str) -> None:
         """Connect one pair of a gloo group now, one word each way (the lower rank receives
