@@ -71,6 +71,9 @@ def make(
     # afd_core/nccl_standin.py), so a protocol test runs unchanged over an issue-ordered channel
     device_connector = os.environ.get("AFD_TEST_CONNECTOR")
     device_type = {"nccl": "cuda", "hccl": "npu"}.get(device_connector, "cpu")
+    extra = {"timeout_s": timeout, "connect_timeout_s": connect_timeout}
+    if os.environ.get("AFD_TEST_STARTUP_TIMEOUT_S"):
+        extra["startup_timeout_s"] = float(os.environ["AFD_TEST_STARTUP_TIMEOUT_S"])
     cfg = parse_afd_config(
         {
             "connector": device_connector if device_type != "cpu" else "gloo",
@@ -80,7 +83,7 @@ def make(
             "num_attention_ranks": a,
             "num_ffn_ranks": f,
             "start_rank": start_rank,
-            "connector_extra_config": {"timeout_s": timeout, "connect_timeout_s": connect_timeout},
+            "connector_extra_config": extra,
         },
         device_type=device_type,
     )

@@ -11,12 +11,19 @@
   host until the peer's first operation on that communicator, as NCCL's lazy connection
   does. Between `group_start()` and `group_end()` operations are held back and go out
   together at the end (one launch, as ncclGroupEnd's); `launches` counts them.
+* `HostRuntime.synchronize()`: a host call that waits for the whole device, as
+  `cudaDeviceSynchronize` does (and as CUDA's lazy kernel loading and the caching
+  allocator's cudaMalloc/cudaFree may): it blocks until every operation enqueued on any
+  stream so far has completed. A posted receive whose data depends on work the same host
+  has not enqueued yet never completes then: the stand-in fails after SYNC_S, naming it,
+  where a GPU would hang.
 
 Spawned test processes import this module, so it holds no test functions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -44,14 +51,21 @@ class HostEvent:
 
 
 class HostStream:
-    """A side stream: a thread running enqueued operations in order."""
+    """A side stream: a thread running enqueued operations in order; while its runtime
+    captures, what is enqueued is recorded into the capture instead (run at replay)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, runtime=None):
+        self.name = name
+        self._runtime = runtime
         self._queue: queue.Queue = queue.Queue()
         self.error: Exception | None = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def enqueue(self, fn) -> None:
+        graph = getattr(self._runtime, "capture_into", None)
+        if graph is not None:
+            graph.append((self, fn))
+            return
         self._queue.put(fn)
 
     def _run(self) -> None:
@@ -86,6 +100,14 @@ class CallerStream:
         fn()
 
 
+# How long HostRuntime.synchronize waits before it calls the wait a deadlock
+SYNC_S = float(os.environ.get("AFD_TEST_DEVICE_SYNC_S", "10"))
+
+
+class DeviceSyncDeadlock(RuntimeError):
+    """A device-wide synchronize that could never return on a GPU."""
+
+
 class HostRuntime(DeviceRuntime):
     def __init__(self):
         import torch
@@ -93,11 +115,12 @@ class HostRuntime(DeviceRuntime):
         self.device = torch.device("cpu")
         self.streams: list[HostStream] = []
         self.capturing = False
+        self.capture_into: list | None = None  # the graph being captured
         self.waits = 0  # events the caller waited for
         self._caller = threading.local()
 
     def new_stream(self):
-        s = HostStream(f"host-stream-{len(self.streams)}")
+        s = HostStream(f"host-stream-{len(self.streams)}", self)
         self.streams.append(s)
         return s
 
@@ -118,10 +141,75 @@ class HostRuntime(DeviceRuntime):
 
     def wait_event(self, event, check) -> None:
         self.waits += 1
+        if self.capture_into is not None:
+            return  # a dependency inside the graph: nothing waits while capturing
         event.wait_host(check)
+
+    @contextlib.contextmanager
+    def capture(self, graph: list):
+        """Record what the streams are given into `graph`, as a CUDA stream capture does:
+        nothing runs until the graph is replayed (HostGraphBackend)."""
+        self.capturing, self.capture_into = True, graph
+        try:
+            yield graph
+        finally:
+            self.capturing, self.capture_into = False, None
 
     def run_on(self, stream, fn) -> None:
         stream.enqueue(fn)
+
+    def synchronize(self) -> None:
+        """Wait until every stream ran everything enqueued on it so far (cudaDeviceSynchronize)."""
+        self.synchronizes = getattr(self, "synchronizes", 0) + 1
+        events = []
+        for stream in self.streams:
+            event = HostEvent()
+            event.record(stream)
+            events.append((stream, event))
+        deadline = time.monotonic() + SYNC_S
+        for stream, event in events:
+            if not event._done.wait(max(deadline - time.monotonic(), 0)):
+                raise DeviceSyncDeadlock(
+                    f"NCCL stand-in: a device-wide synchronize waited {SYNC_S:.0f}s for "
+                    f"{stream.name}: an operation posted on it waits for data that depends "
+                    "on work this host has not enqueued yet (a GPU would hang here)"
+                )
+
+
+class HostGraphBackend:
+    """FFNGraphCache's backend over HostRuntime: a graph is the stream operations recorded
+    while capturing. A replay enqueues them again; it does not run the Python compute
+    recorded between them (a CUDA graph would), so tests replay only where the values do
+    not matter."""
+
+    def __init__(self, runtime: HostRuntime):
+        self.runtime = runtime
+
+    def capture(self, fn):
+        with self.runtime.capture([]) as graph:
+            fn()
+        return graph
+
+    def replay(self, graph) -> None:
+        for stream, fn in graph:
+            stream.enqueue(fn)
+
+
+class RerunGraphBackend:
+    """A graph backend whose graph is the function itself, run again at replay: what a
+    CUDA graph of a pure compute does (FFNBucketGraphs' layer graphs), on CPU."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def capture(self, fn):
+        fn()
+        self.captures += 1
+        return fn
+
+    def replay(self, graph) -> None:
+        self.replays += 1
+        graph()
 
 
 # How long a pair's first operation waits on the host for the peer's first operation on

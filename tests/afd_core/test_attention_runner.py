@@ -106,7 +106,11 @@ def test_attention_metadata_is_built_per_microbatch_with_full_rebuilds(runner):
     assert runner.calls["build"][0]["ubatch_slices"] is None
 
 
-def test_dummy_and_profile_runs_are_flagged_and_a_failed_dummy_is_skipped(runner):
+def test_dummy_and_profile_runs_are_flagged_and_only_a_failed_dp_dummy_is_skipped(runner):
+    """Only an idle data-parallel rank's dummy batch (vLLM's execute_dummy_batch) may fail
+    quietly: a failed profiling run, compile warm-up or graph capture stops the start-up
+    with its cause (vLLM would go on without the graph and announce the size as a capture
+    again at run time)."""
     from afd_core.connectors.base import AFDStepError
     from afd_core.step.wrapper import StepKind
 
@@ -116,10 +120,16 @@ def test_dummy_and_profile_runs_are_flagged_and_a_failed_dummy_is_skipped(runner
     assert runner.calls["dummy_kind"] is StepKind.PROFILE
     assert runner.afd_engine.kind is StepKind.REAL
     runner.raise_in_execute = AFDStepError("FFN rank 0 failed step 3")
+    runner.afd_dp_dummy_batch = True  # as AttentionWorkerMixin.execute_dummy_batch sets it
     hidden, logits = runner._dummy_run(1)  # an idle rank's dummy batch: logged, not fatal
     assert hidden.numel() == 0 and logits.numel() == 0
+    runner.afd_dp_dummy_batch = False
     with pytest.raises(AFDStepError):
         runner._dummy_run(64, is_profile=True)  # a failed profile run stops start-up
+    with pytest.raises(AFDStepError):
+        runner._dummy_run(8)  # compile warm-up
+    with pytest.raises(AFDStepError):
+        runner._dummy_run(8, is_graph_capturing=True)  # a graph capture
 
 
 def test_a_failed_step_returns_a_marked_output_for_its_requests(runner):

@@ -50,10 +50,10 @@ def corrupt(index, value):
     "words,match",
     [
         (corrupt(0, 0x1234), "bad magic 0x1234"),
-        (corrupt(1, 1), "protocol version 1, this rank speaks 2"),
+        (corrupt(1, 1), "protocol version 1, this rank speaks 3"),
         (corrupt(2, 0), "says it comes from attention rank 0"),
         (corrupt(4, 64), "unknown flags 0x40"),
-        (corrupt(4, 32), "unknown flags 0x20"),
+        (corrupt(4, 64), "unknown flags 0x40"),
         (corrupt(5, 0), "num_microbatches=0; allowed 1..4"),
         (corrupt(5, 9), "num_microbatches=9"),
         (corrupt(6, 128), "hidden_size=128, but this FFN rank's model has hidden_size=64"),

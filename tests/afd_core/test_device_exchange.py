@@ -77,7 +77,7 @@ def test_a_replayed_step_is_watched_on_both_sides():
     for flags in (ControlFlag.NONE, ControlFlag.CAPTURE, ControlFlag.NONE, ControlFlag.NONE):
         cache.run(
             StepPlan(0, (), rows, flags),
-            lambda: None,
+            lambda capturing=False: None,
             lambda: None,
             watch=lambda: watched.append(1),
         )

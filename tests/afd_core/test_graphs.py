@@ -36,7 +36,7 @@ def plan(rows, flags=ControlFlag.NONE):
 def run(cache, p, group_rows=None, eager_only=False, result=None):
     calls = []
 
-    def layers():
+    def layers(capturing=False):
         calls.append("layers")
         return result
 

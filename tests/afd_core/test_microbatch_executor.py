@@ -145,6 +145,77 @@ def test_every_job_runs_on_the_callers_accelerator_stream(monkeypatch):
     ex.close()
 
 
+class _FakeCudaStream:
+    """Stands for a torch.cuda.Stream: enter_stream tells CUDA streams by their device."""
+
+    class device:  # noqa: N801 - read as stream.device.type
+        type = "cuda"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.mark.vllm
+def test_vllms_current_stream_in_micro_batch_threads_is_the_callers(monkeypatch):
+    """vLLM records each thread's current stream in its patched torch.cuda.set_stream and
+    its collectives read that record (vllm.utils.torch_utils.current_stream: PyNccl's
+    all-gather with no stream given, the attention tensor-parallel all-gather among them).
+    Attention TP 2 with m = 2: in every micro-batch thread of both TP ranks, each
+    all-gather (before and after the DBO yield) is issued on the step's caller stream,
+    step after step, as vLLM's record says; torch's own set_stream is stood in (no GPU)."""
+    import torch
+    import vllm.utils.torch_utils as vllm_streams
+
+    import afd_core.step.microbatch as microbatch
+    from afd_core.step.sequence_split import SequenceSplit
+
+    assert torch.cuda.set_stream is vllm_streams._patched_set_stream  # vLLM's mechanism
+    set_on = {}  # thread -> the stream torch was told
+    monkeypatch.setattr(
+        vllm_streams, "prev_set_stream", lambda s: set_on.__setitem__(threading.get_ident(), s)
+    )
+    callers = threading.local()  # each TP rank's runner thread: its current stream
+    monkeypatch.setattr(microbatch, "caller_stream", lambda: callers.stream)
+
+    def rank_main(tp_rank: int, issued: list):
+        def all_gather(t):
+            # what PyNccl does with stream=None: vLLM's record of this thread's stream
+            issued.append((tp_rank, microbatch.current_microbatch(), vllm_streams.current_stream()))
+            return torch.cat([t, t])
+
+        split = SequenceSplit(tp_rank, 2, all_gather)
+
+        def job(n):
+            def run():
+                out = split.gather(torch.zeros(split.rows(n), 4), n)
+                assert yield_to_next_microbatch()
+                return split.gather(out[: split.rows(n)], n)
+
+            return run
+
+        ex = MicrobatchExecutor()
+        for step in range(2):
+            callers.stream = _FakeCudaStream(f"rank{tp_rank}-step{step}")
+            ex.run([job(3), job(4)])
+        ex.close()
+
+    issued: dict[int, list] = {0: [], 1: []}
+    ranks = [threading.Thread(target=rank_main, args=(r, issued[r])) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(30)
+    for r in (0, 1):
+        # 2 steps x 2 micro-batches x 2 all-gathers, each on its step's caller stream
+        assert len(issued[r]) == 8, issued[r]
+        streams = [str(s) for _, _, s in issued[r]]
+        assert streams == [f"rank{r}-step0"] * 4 + [f"rank{r}-step1"] * 4, issued[r]
+        assert {mb for _, mb, _ in issued[r]} == {0, 1}
+
+
 def test_caller_stream_is_none_without_an_accelerator():
     from afd_core.step.microbatch import caller_stream, enter_stream
 

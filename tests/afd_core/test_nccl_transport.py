@@ -7,6 +7,7 @@ What a GPU is needed for (NCCL itself, CUDA streams and graphs) is in tests/gpu/
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -100,6 +101,183 @@ def test_pairs_connect_at_start_up_so_the_first_step_cannot_deadlock(monkeypatch
     for key in (("ffn", 0), ("attention", 0)):
         text = str(results[key])
         assert "found no first operation of the peer" in text, text
+
+
+@pytest.mark.parametrize("mutation", [False, True], ids=["posted-after-send", "MUTATION-prefetch"])
+def test_a_device_wide_wait_inside_the_ffns_step_cannot_deadlock(monkeypatch, mutation):
+    """The FFN's compute waits for the whole device first (the stand-in's synchronize, as
+    a lazily loaded kernel, a cudaMalloc or a synchronize in vLLM would on the first
+    step). With the next receive posted after the send, nothing on the device waits for
+    work this host has not enqueued: m = 1 and m = 2 run. Mutation check: the old order
+    (the next receive posted before the compute, AFD_TEST_FFN_EAGER_PREFETCH) holds a
+    receive of the next layer of the same rows, which the peer sends only after this
+    layer's output: the synchronize can never return (the stand-in names it)."""
+    monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_FFN_DEVICE_SYNC", "1")
+    monkeypatch.setenv("AFD_TEST_DEVICE_SYNC_S", "3")
+    if mutation:
+        monkeypatch.setenv("AFD_TEST_FFN_EAGER_PREFETCH", "1")
+    steps = {0: [(3,), (2, 2), (4,)]}
+    results = step_protocol.deploy(1, 1, steps, timeout=8.0)
+    if not mutation:
+        assert_no_errors(results)
+        assert results[("attention", 0)] == ["ok", "ok", "ok"]
+        return
+    # the m = 1 steps fail, naming the wait that would hang a GPU; with m = 2 the
+    # prefetched receive is the other micro-batch's, which the peer sends regardless
+    outcome = results[("attention", 0)]
+    assert [o.split(":")[0] for o in outcome] == ["step failed", "ok", "step failed"], outcome
+    assert "a device-wide synchronize waited 3s" in outcome[0], outcome
+
+
+def capturing_attn(port, fail_layer, q):
+    """Steps: eager (2 rows), a capture of 4 rows that fails at `fail_layer`, then eager
+    steps of 3 and 5 rows whose outputs are checked."""
+    import torch
+
+    from afd_core.connectors.base import AFDStepError
+    from afd_core.connectors.control import ControlFlag
+    from afd_core.step.attention import AttentionStepDriver
+
+    outcome = []
+    try:
+        conn = make("attention", 0, 1, 1, port, timeout=8.0)
+        conn.init()
+        driver = AttentionStepDriver(conn)
+        rt = conn.runtime
+
+        def job(step, n, capture=False):
+            def run():
+                graph = contextlib.nullcontext() if not capture else rt.capture([])
+                with graph:
+                    h = step_protocol.initial(0, step, 0, n)
+                    for layer in range(LAYERS):
+                        h = h + 1
+                        if capture and layer == fail_layer:
+                            raise RuntimeError(f"injected capture failure at layer {layer}")
+                        h = conn.start_exchange(h, layer, 0).wait()
+                    return h
+
+            return run
+
+        for step, (n, capture) in enumerate([(2, False), (4, True), (3, False), (5, False)]):
+            flags = ControlFlag.CAPTURE if capture else ControlFlag.NONE
+            try:
+                [out] = driver.run((n,), [job(step, n, capture)], flags=flags)
+            except AFDStepError as exc:
+                outcome.append(f"step failed: {exc}")
+                continue
+            want = step_protocol.expected(0, step, 0, n, LAYERS)
+            outcome.append("ok" if torch.equal(out, want) else f"wrong output in step {step}")
+        driver.close()
+        conn.close()
+        q.put((("attention", 0), outcome))
+    except Exception:
+        q.put((("attention", 0), "ERROR " + traceback.format_exc()))
+
+
+@pytest.mark.parametrize("fail_layer", [0, LAYERS - 1], ids=["layer-0", "last-layer"])
+def test_a_failed_capture_leaves_both_sides_in_step(monkeypatch, fail_layer):
+    """A graph capture that fails on the attention side (an illegal op, an OOM) moved
+    nothing on either side: the FFN rank recorded its whole step and sent its status.
+    The attention side takes that status only, the step fails with its cause, and the
+    next steps are exchanged correctly. (Exchanging zeros for the rest of the step, as an
+    eager step's clean-up does, would leave receives nobody answers: the FFN is already
+    waiting for the next control message.)"""
+    monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_FFN_GRAPHS", "1")
+    port = free_port()
+    results = run_processes(
+        [
+            (step_protocol.ffn_main, 0, 1, 1, port, LAYERS, 8.0, []),
+            (capturing_attn, port, fail_layer),
+        ]
+    )
+    assert_no_errors(results)
+    outcome = results[("attention", 0)]
+    assert outcome[0] == "ok" and outcome[2:] == ["ok", "ok"], outcome
+    assert outcome[1].startswith("step failed"), outcome
+    assert f"injected capture failure at layer {fail_layer}" in outcome[1], outcome
+    assert "both sides recorded it and nothing moved" in outcome[1], outcome
+    ffn = results[("ffn", 0)]
+    assert ffn["graphs"] == {"captured": 1, "replayed": 0, "eager": 3}, ffn
+    assert ffn["failed"] == 0, ffn
+
+
+STARTUP_DELAY_S = 4.0  # the first forward's "compile", past the 2 s step timeout
+
+
+def slow_first_forward_attn(port, startup: bool, q):
+    """Two steps; the first one's forward starts STARTUP_DELAY_S after its control message
+    (as a cold first forward compiles after announcing the step), flagged STARTUP or not."""
+    import torch
+
+    from afd_core.connectors.base import AFDPeerError, AFDStepError
+    from afd_core.connectors.control import ControlFlag
+    from afd_core.step.attention import AttentionStepDriver
+
+    outcome = []
+    try:
+        conn = make("attention", 0, 1, 1, port, timeout=2.0)
+        conn.init()
+        driver = AttentionStepDriver(conn)
+
+        def job(step, n, delay):
+            def run():
+                time.sleep(delay)
+                h = step_protocol.initial(0, step, 0, n)
+                for layer in range(LAYERS):
+                    h = conn.start_exchange(h + 1, layer, 0).wait()
+                return h
+
+            return run
+
+        first = ControlFlag.PROFILE | (ControlFlag.STARTUP if startup else ControlFlag.NONE)
+        for step, (n, delay, flags) in enumerate([(4, STARTUP_DELAY_S, first), (2, 0.0, 0)]):
+            try:
+                [out] = driver.run((n,), [job(step, n, delay)], flags=flags)
+            except AFDStepError as exc:
+                outcome.append(f"step failed: {exc}")
+                continue
+            want = step_protocol.expected(0, step, 0, n, LAYERS)
+            outcome.append("ok" if torch.equal(out, want) else f"wrong output in step {step}")
+        driver.close()
+        conn.close()
+        q.put((("attention", 0), outcome))
+    except AFDPeerError as exc:
+        q.put((("attention", 0), outcome + [f"STOPPED AFDPeerError: {exc}"]))
+    except Exception:
+        q.put((("attention", 0), "ERROR " + traceback.format_exc()))
+
+
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
+def test_a_start_up_step_whose_forward_starts_late_is_served(monkeypatch, connector):
+    """A cold first forward compiles after its control message went out (torch.compile,
+    Triton and kernel JIT take minutes on a large model). Steps flagged STARTUP (the
+    attention server's profiling run, warm-up and captures) are bounded by
+    startup_timeout_s on both sides: a forward 4 s late under a 2 s step timeout is served.
+    The same step unflagged trips the step timeout (the bound that applies once serving)."""
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_STARTUP_TIMEOUT_S", "20")
+    results = {}
+    for startup in (True, False):
+        port = free_port()
+        results[startup] = run_processes(
+            [
+                (step_protocol.ffn_main, 0, 1, 1, port, LAYERS, 2.0, []),
+                (slow_first_forward_attn, port, startup),
+            ],
+            expect=2 if startup else 1,  # unflagged: whichever side reports first
+        )
+    assert results[True][("attention", 0)] == ["ok", "ok"], results[True]
+    # unflagged, the FFN gave up on the step after 2 s: the attention step failed with it
+    # (gloo drops the peer) or the FFN rank stopped naming the bound (NCCL's watchdog)
+    first = results[False]
+    if ("attention", 0) in first:
+        assert first[("attention", 0)][0] != "ok", first
+    else:
+        assert "no answer within 2s" in str(first[("ffn", 0)]), first
 
 
 def late_ffn(port, a, q):

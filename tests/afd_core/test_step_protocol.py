@@ -5,6 +5,7 @@ survives."""
 
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 
@@ -52,6 +53,17 @@ def ffn_compute(fail_at):
     return compute, state
 
 
+def _synchronizing(compute, runtime):
+    """compute that first waits for the whole device, as a kernel loaded lazily, a
+    cudaMalloc or a synchronize in vLLM's code may."""
+
+    def synced(*args):
+        runtime.synchronize()
+        return compute(*args)
+
+    return synced
+
+
 def ffn_main(rank, a, f, port, layers, timeout, fail_at, q):
     try:
         from afd_core.step.ffn import FFNStepServer
@@ -59,7 +71,33 @@ def ffn_main(rank, a, f, port, layers, timeout, fail_at, q):
         conn = make("ffn", rank, a, f, port, timeout=timeout, layers=layers)
         conn.init()
         compute, state = ffn_compute({tuple(f) for f in fail_at})
-        server = FFNStepServer(conn, list(range(layers)), compute)
+        if os.environ.get("AFD_TEST_FFN_DEVICE_SYNC"):  # the device stand-in's synchronize
+            compute = _synchronizing(compute, conn.runtime)
+        graphs = None
+        if os.environ.get("AFD_TEST_FFN_GRAPHS"):  # captures over the device stand-in
+            from afd_core.step.graphs import FFNGraphCache
+            from tests.afd_core.nccl_standin import HostGraphBackend
+
+            graphs = FFNGraphCache(HostGraphBackend(conn.runtime))
+        if os.environ.get("AFD_TEST_FFN_BUCKETS"):  # layer graphs at padded row counts
+            import torch
+
+            from afd_core.step.ffn_buckets import FFNBucketGraphs, bucket_ladder
+            from afd_core.step.graphs import FFNGraphCache
+            from tests.afd_core.nccl_standin import RerunGraphBackend
+
+            if graphs is None:  # (an empty cache is falsy: it has a length)
+                graphs = FFNGraphCache(RerunGraphBackend())
+            ladder = bucket_ladder(int(os.environ["AFD_TEST_FFN_BUCKETS"]))
+            graphs.buckets = FFNBucketGraphs(RerunGraphBackend(), ladder)
+            top = torch.zeros(ladder[-1], HIDDEN)
+            graphs.buckets.capture(list(range(layers)), compute, (top, None, None))
+        server = FFNStepServer(conn, list(range(layers)), compute, graphs=graphs)
+        if os.environ.get("AFD_TEST_FFN_EAGER_PREFETCH"):  # mutation: the old post order
+            run_layers = server._run_layers
+            server._run_layers = lambda plan, agreed, prefetch=False, **kw: run_layers(
+                plan, agreed, prefetch=True, **kw
+            )
         rows = []
         original = conn.recv_control
 
@@ -77,7 +115,12 @@ def ffn_main(rank, a, f, port, layers, timeout, fail_at, q):
             q.put((("ffn", rank), f"STOPPED {type(exc).__name__}: {exc}"))
             return
         conn.close()
-        q.put((("ffn", rank), {"rows": rows, "failed": server.failed_steps}))
+        out = {"rows": rows, "failed": server.failed_steps}
+        if graphs is not None:
+            out["graphs"] = graphs.stats.as_dict()
+            if graphs.buckets is not None:
+                out["buckets"] = graphs.buckets.stats.as_dict()
+        q.put((("ffn", rank), out))
     except Exception:
         q.put((("ffn", rank), "ERROR " + traceback.format_exc()))
 
@@ -94,6 +137,8 @@ def attn_main(rank, a, f, port, steps, layers, timeout, fail_at, skip_step, q):
     outcome = []
     try:
         conn = make("attention", rank, a, f, port, timeout=timeout, layers=layers)
+        if os.environ.get("AFD_TEST_INDEPENDENT_SERVERS"):  # each rank a server of its own
+            conn.steps_with = rank
         conn.init()
         driver = AttentionStepDriver(conn)
 

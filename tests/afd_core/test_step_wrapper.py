@@ -53,6 +53,8 @@ def setup():
             return h
 
     engine = AttentionStepEngine(conn, vllm_config, SplitPolicy(2, 2, 2), max_microbatches=4)
+    assert engine.starting_up  # until the worker's compile/warm-up ends
+    engine.starting_up = False  # a serving engine (start-up steps: their own test)
     model = Toy()
     wrapper = AFDStepWrapper(model, engine)
 
@@ -125,6 +127,36 @@ def test_dummy_forward_carries_its_flag(setup):
     setup.forward({"layer.0": None}, n=1)
     assert setup.conn.steps == [((1,), int(ControlFlag.DUMMY))]
     assert setup.engine.stats.as_dict()["by_kind"] == {"dummy": 1}
+
+
+def test_start_up_steps_carry_their_flag_until_the_worker_has_warmed_up(setup):
+    """Profiling, compile warm-up and captures run before the worker's
+    compile_or_warm_up_model returns: their steps carry STARTUP (bounded by
+    startup_timeout_s on both sides); the worker clears it, and real steps go without."""
+    from afd_core.connectors.control import ControlFlag
+    from afd_core.step.wrapper import StepKind
+    from afd_core.workers.role_workers import AttentionWorkerMixin
+
+    setup.engine.starting_up = True
+    setup.engine.kind = StepKind.PROFILE
+    setup.forward({"layer.0": None}, n=4)
+    setup.engine.kind = StepKind.REAL
+
+    class Base:
+        def compile_or_warm_up_model(self):
+            setup.forward({"layer.0": None}, n=2)  # a warm-up forward
+            return "times"
+
+    class Worker(AttentionWorkerMixin, Base):
+        afd = type("Role", (), {"engine": setup.engine})()
+
+    assert Worker().compile_or_warm_up_model() == "times"
+    setup.forward({"layer.0": None}, n=3)
+    assert setup.conn.steps == [
+        ((4,), int(ControlFlag.PROFILE | ControlFlag.STARTUP)),
+        ((2,), int(ControlFlag.STARTUP)),
+        ((3,), 0),
+    ]
 
 
 def test_metadata_split_without_a_plan_is_refused(setup):

@@ -99,6 +99,7 @@ def setup(cpu_streams):
     conn = FakeConnector()
     install_connector(conn)
     engine = AttentionStepEngine(conn, vllm_config, SplitPolicy(2, 2, 2), max_microbatches=2)
+    engine.starting_up = False  # a serving engine
     engine.vllm_ubatching = True
     engine.graph_wrapper = find_graph_wrapper(ubw)
     assert engine.graph_wrapper is ubw

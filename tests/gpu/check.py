@@ -212,7 +212,7 @@ def ffn_graph_cache(
         down = torch.einsum("eti,eih->eth", up, w_down[layer])
         return (down * dense.t().unsqueeze(-1)).sum(0)
 
-    def run_layers():
+    def run_layers(capturing=False):
         for layer in range(layers):
             for mb in range(mbs):
                 outs[mb].copy_(moe(layer, recv[mb]))
@@ -344,7 +344,9 @@ def nccl_transport(timeout_s=1.0) -> dict:
     out["captured_ops_watched"] = len(watched)
     out["replayed_receive_value"] = static[0].item()
     # a send held past the timeout by a long kernel: the watchdog names it
-    comm.stall_cycles = int(3e9)  # seconds of spinning on any GPU
+    # ~3 s of spinning at an H100's boost clock (6e9 cycles at ~2 GHz), three times the 1 s
+    # bound: the send is still held when the watchdog looks
+    comm.stall_cycles = int(6e9)
     t0 = time.perf_counter()
     handle = t.isend(torch.ones(8, device=dev), 1, 0)
     try:

@@ -22,11 +22,17 @@ and the rest run in a fresh one):
                      as vLLM's UBatchWrapper), replayed, equal to the unsplit reference
   g kill_ffn         the FFN process is killed during replays (each followed by a host sync,
                      as vLLM's sampler does): both attention ranks end with a named error
-  plus the exchange latency per layer (eager and replayed) against a raw NCCL ping-pong of
-  the same message on the same communicators, measured in the same run.
+  h device_sync      the FFN's compute waits for the whole device (torch.cuda.synchronize,
+                     as a lazily loaded kernel or a cudaMalloc may) inside eager m = 1 steps
+  i capture_failure  a capture that fails on the attention side at layer 0, then at the last
+                     layer: that step fails, nothing moved, the next steps are right
+  plus the exchange latency per layer (eager and replayed, timed with CUDA events) against
+  a raw NCCL ping-pong of the same message on the same communicators, measured in the same
+  run. Three processes share the one GPU (time-sliced, socket transport): the latencies are
+  a smoke test, not what two GPUs would show.
 
 Run: python tests/gpu/nccl_check.py [--out report.json]; `--cpu` runs the scenarios that
-need no CUDA graph (a, b, e, g) over the CPU stand-ins of tests/afd_core/nccl_standin.py
+need no CUDA graph (a, b, e, g, h) over the CPU stand-ins of tests/afd_core/nccl_standin.py
 (what the suite does, to keep this script working). Exit status 0 when all passed.
 """
 
@@ -67,8 +73,12 @@ SCENARIOS = {
     "e_failure": "failure at layer 0 with rows (4, 3)",
     "f_dbo_capture": "two micro-batch threads captured into one graph",
     "g_kill_ffn": "FFN process killed during replays",
+    "h_device_sync": "a device-wide synchronize inside the FFN's step",
+    "i_capture_failure": "a failed capture at layer 0 and at the last layer",
 }
-NEEDS_GRAPHS = {"c_capture_replay", "d_recapture", "f_dbo_capture"}
+NEEDS_GRAPHS = {"c_capture_replay", "d_recapture", "f_dbo_capture", "i_capture_failure"}
+SYNC_ROWS = 7  # h: the FFN synchronizes the device in eager steps of 2 x 7 rows
+PROCESSES_ON_GPU = 1 + ATTENTION_RANKS
 
 
 # -- each process ---------------------------------------------------------------------------
@@ -156,13 +166,25 @@ class Env:
     def ffn_compute(self, layer, h, _logits=None, _ids=None):
         return self.torch.relu(h @ self.w_ffn[layer])
 
-    def model(self, x):
+    def model(self, x, fail_at: int | None = None):
         from afd_core.exchange import ffn_exchange_op
 
         op = ffn_exchange_op()
         for layer in range(LAYERS):
+            if layer == fail_at:
+                raise RuntimeError(f"injected failure at layer {layer}")
             x = x + op(x @ self.w_attn[layer], layer, None, None)
         return x
+
+    def device_sync(self) -> None:
+        """Wait for everything enqueued on the device (HostRuntime's stand-in on CPU)."""
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize()
+        else:
+            self.runtime.synchronize()
+
+    def is_capturing(self) -> bool:
+        return self.kind == "cuda" and self.torch.cuda.is_current_stream_capturing()
 
     def reference(self, x):
         for layer in range(LAYERS):
@@ -180,6 +202,31 @@ class Env:
         if want.numel() == 0:
             return 0.0 if out.numel() == 0 else float("inf")
         return ((out - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+
+class _DeviceTimer:
+    """Elapsed time on the current stream with CUDA events (what the device did between
+    two points, host jitter excluded); wall time on the CPU stand-ins."""
+
+    def __init__(self, env):
+        self.env = env
+        self.kind = "cuda events" if env.kind == "cuda" else "wall clock"
+        if env.kind == "cuda":
+            torch = env.torch
+            self.start, self.end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.env.kind == "cuda":
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1000
 
 
 def _put(q, *msg) -> None:
@@ -201,11 +248,11 @@ def _pingpong(env, conn, attention: bool) -> dict:
     back = torch.empty_like(buf)
     cur = env.runtime.current_stream()
     warm, timed = PINGPONG
-    t0 = 0.0
+    timer = None
     for i in range(warm + timed):
         if i == warm:
             env.sync()
-            t0 = time.perf_counter()
+            timer = _DeviceTimer(env)
         if attention:
             t._send_stream.wait_stream(cur)
             t._send_comm.send(buf, 0, t._send_stream)
@@ -216,8 +263,8 @@ def _pingpong(env, conn, attention: bool) -> dict:
             t._send_stream.wait_stream(t._recv_stream)
             t._send_comm.send(back, 1, t._send_stream)
             env.wait_stream(t._send_stream)
-    rtt_us = (time.perf_counter() - t0) / timed * 1e6
-    return {"round_trip_us": round(rtt_us, 1), "bytes": buf.numel() * 4}
+    rtt_us = timer.ms() * 1000 / timed
+    return {"round_trip_us": round(rtt_us, 1), "bytes": buf.numel() * 4, "timed_with": timer.kind}
 
 
 def ffn_main(kind, port, timeout_s, scenarios, q):
@@ -244,7 +291,16 @@ def ffn_main(kind, port, timeout_s, scenarios, q):
                     super().replay(graph)
 
             cache = FFNGraphCache(Logged())
-        server = FFNStepServer(conn, list(range(LAYERS)), env.ffn_compute, graphs=cache)
+        syncs = []
+
+        def compute(layer, h, logits=None, ids=None):
+            # h: a host call that waits for the whole device inside the step
+            if h.shape[0] == SYNC_ROWS * ATTENTION_RANKS and not env.is_capturing():
+                env.device_sync()
+                syncs.append(layer)
+            return env.ffn_compute(layer, h, logits, ids)
+
+        server = FFNStepServer(conn, list(range(LAYERS)), compute, graphs=cache)
         recv = conn.recv_control
 
         def recording():
@@ -269,6 +325,7 @@ def ffn_main(kind, port, timeout_s, scenarios, q):
                 "failed_steps": server.failed_steps,
                 "graphs": cache.stats.as_dict() if cache else None,
                 "log": log,
+                "device_syncs": len(syncs),
                 "stopped": stopped,
             },
         )
@@ -369,19 +426,17 @@ class Attention:
         # eager steps of this key first, timed: before the capture both sides run eagerly
         self.step(rows, [lambda: env.model(static)])
         env.sync()
-        t0 = time.perf_counter()
+        timer = _DeviceTimer(env)
         for _ in range(TIMED_STEPS):
             self.step(rows, [lambda: env.model(static)])
-        env.sync()
-        eager_ms = (time.perf_counter() - t0) * 1000 / TIMED_STEPS
+        eager_ms = timer.ms() / TIMED_STEPS
         graph, holder = self._capture(rows, lambda: env.model(static))
         errors = self._replays(rows, graph, holder, static, REPLAYS)
         self.graph = (graph, holder, static)
-        t0 = time.perf_counter()
+        timer = _DeviceTimer(env)
         for _ in range(TIMED_STEPS):
             self.step(rows, [graph.replay], replayed=True)
-        env.sync()
-        replay_ms = (time.perf_counter() - t0) * 1000 / TIMED_STEPS
+        replay_ms = timer.ms() / TIMED_STEPS
         return {
             "ok": max(errors) < TOL,
             "replays": len(errors),
@@ -390,6 +445,7 @@ class Attention:
             "replay_step_ms": round(replay_ms, 3),
             "eager_per_layer_us": round(eager_ms * 1000 / LAYERS, 1),
             "replay_per_layer_us": round(replay_ms * 1000 / LAYERS, 1),
+            "timed_with": timer.kind,
         }
 
     # d
@@ -499,6 +555,50 @@ class Attention:
                 "error": text[:600],
                 "error_time": time.time(),
             }
+
+    # h
+    def h_device_sync(self):
+        """Eager m = 1 steps of 7 rows per rank: the FFN synchronizes the device inside
+        each layer's compute. With the next receive posted before the compute (the order
+        before this fix) the synchronize would wait for rows that need this layer's send."""
+        errors = []
+        for _ in range(3):
+            x = self.x(SYNC_ROWS)
+            out = self.step((SYNC_ROWS,), [lambda x=x: self.env.model(x)])[0]
+            errors.append(self.env.error(out, x))
+        return {"ok": max(errors) < TOL, "steps": len(errors), "max_rel_error": max(errors)}
+
+    # i
+    def i_capture_failure(self):
+        """A capture that fails on the attention side (layer 0, then the last layer): the
+        step fails naming it and that nothing moved; the next step (eager here, a replay
+        of the FFN's graph of the same key there) is right."""
+        from afd_core.connectors.base import AFDStepError
+        from afd_core.connectors.control import ControlFlag
+
+        torch = self.torch
+        rows = (6,)
+        static = self.x(6)
+        env = self.env
+        self.step(rows, [lambda: env.model(static)])  # warm-up, eager
+        out = {"failed": [], "next_errors": []}
+        for fail_at in (0, LAYERS - 1):
+            graph = torch.cuda.CUDAGraph()
+
+            def capture(fail_at=fail_at, graph=graph):
+                with torch.cuda.graph(graph):
+                    return env.model(static, fail_at=fail_at)
+
+            try:
+                self.step(rows, [capture], flags=ControlFlag.CAPTURE)
+                out["failed"].append(None)
+            except AFDStepError as exc:
+                out["failed"].append(str(exc)[:300])
+            x = self.x(6)
+            result = self.step(rows, [lambda x=x: env.model(x)])[0]
+            out["next_errors"].append(env.error(result, x))
+        ok = all(f and "nothing moved" in f for f in out["failed"])
+        return {"ok": ok and max(out["next_errors"]) < TOL, **out}
 
 
 def attention_main(kind, rank, port, timeout_s, scenarios, q):
@@ -694,6 +794,32 @@ def main(argv=None) -> int:
             results |= got
             if not got and todo:
                 break
+    ffn_last = [f for f in ffn_reports if f]
+    report["ffn"] = ffn_last
+    report["processes_on_gpu"] = PROCESSES_ON_GPU if kind == "cuda" else None
+    if kind == "cuda" and ffn_last:
+        # the FFN rank captured on every CAPTURE step (and never ran one eagerly)
+        captures = [e for f in ffn_last for e in f.get("log", []) if e[2] & 2]
+        report["ffn_capture_steps"] = [e[3] for e in captures]
+        replays = sum(1 for f in ffn_last for e in f.get("log", []) if e[3] == "replay")
+        report["ffn_replays"] = replays
+        c = results.get("c_capture_replay")
+        if c is not None and c.get("ok"):
+            # equal outputs alone would pass with an FFN that never replays: c's replays
+            # (REPLAYS checked + TIMED_STEPS timed) must have been replays on the FFN too
+            captured_all = all(a == "capture" for a in report["ffn_capture_steps"])
+            c["ffn_replayed"] = replays
+            c["ok"] = captured_all and replays >= REPLAYS + TIMED_STEPS
+            if not c["ok"]:
+                c["error"] = (
+                    f"the FFN replayed {replays} steps (c alone needs {REPLAYS + TIMED_STEPS}) "
+                    f"and ran its CAPTURE steps as {report['ffn_capture_steps']}"
+                )
+    h = results.get("h_device_sync")
+    if h is not None and h.get("ok"):
+        syncs = sum(f.get("device_syncs", 0) for f in ffn_last)
+        h["ffn_device_syncs"] = syncs
+        h["ok"] = syncs >= 3 * LAYERS  # the FFN did wait for the device in every layer
     for name in wanted:
         r = results.setdefault(name, {"ok": False, "error": "not run"})
         detail = {k: v for k, v in r.items() if not k.startswith("attention")}
@@ -726,12 +852,11 @@ def main(argv=None) -> int:
         log(f"latency: {json.dumps(report['latency'])}")
     elif pingpong:
         report["latency"] = {"raw": pingpong}
-    ffn_last = [f for f in ffn_reports if f]
-    report["ffn"] = ffn_last
-    if kind == "cuda" and ffn_last:
-        # the FFN rank captured on every CAPTURE step (and never ran one eagerly)
-        captures = [e for f in ffn_last for e in f.get("log", []) if e[2] & 2]
-        report["ffn_capture_steps"] = [e[3] for e in captures]
+    if report.get("latency"):
+        report["latency"]["note"] = (
+            f"smoke only: {PROCESSES_ON_GPU} processes time-slice one GPU over NCCL's socket "
+            "transport; two GPUs over NVLink would show the real figures"
+        )
     report["scenarios"] = results
     report["seconds"] = round(time.perf_counter() - t_all, 1)
     passed = sum(1 for n in wanted if results[n]["ok"])

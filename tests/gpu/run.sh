@@ -2,8 +2,14 @@
 # The GPU check of the CUDA path, as one command for a machine with one CUDA GPU, PyTorch
 # and NCCL (vLLM not needed): the multi-process NCCL scenarios (tests/gpu/nccl_check.py),
 # then the single-process checks (tests/gpu/check.py). Reports and logs go to $OUT (or a
-# new temporary folder). Where pydantic is missing (afd-core's one dependency), wheels in
-# .whl/ are installed first: fetch them here with tests/gpu/wheels.sh and carry .whl.
+# new temporary folder).
+# Needs: `python3` 3.11+ with a CUDA build of torch (the one the device machine has).
+# Where pydantic is missing (afd-core's one dependency), the wheels in .whl/ are installed
+# first: fetch them on the development machine with tests/gpu/wheels.sh (pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions at uv.lock's
+# versions, built for CPython 3.12, the device machine's Python) and carry `.whl` (it is
+# git-ignored; ~3 MB). A Python other than 3.12 needs wheels.sh's --python-version changed.
+# Give the device call a timeout of at least 500 s: a hang costs each bounded step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
@@ -14,6 +20,8 @@ if ! python3 -c "import pydantic" 2>/dev/null; then
     --target /tmp/afd-site .whl/*.whl || exit 2
   export PYTHONPATH=/tmp/afd-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+python3 -c "import sys; sys.exit(sys.version_info < (3, 11))" || {
+  echo "tests/gpu/run.sh needs Python 3.11+ (found $(python3 -V))"; exit 2; }
 export PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_FILE=${NCCL_DEBUG_FILE:-$OUT/nccl/%h.%p.log}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

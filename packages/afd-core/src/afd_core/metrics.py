@@ -19,6 +19,11 @@ Metrics (labels role, rank; per-peer ones also peer):
   afd_ffn_busy_seconds_total       FFN rank computing a step
   afd_ffn_idle_seconds_total       FFN rank waiting for the next step
   afd_peers_lost_total, afd_peers_rejoined_total
+  afd_ffn_graph_replays_total      FFN rank (CUDA graphs): steps replayed from a whole-step graph
+  afd_ffn_eager_steps_total        FFN rank (CUDA graphs): steps run layer by layer
+  afd_ffn_bucket_replays_total     FFN rank: layer computations of those replayed from a
+                                   bucket graph (padded rows)
+  afd_ffn_eager_layers_total       FFN rank: layer computations of those run eagerly
 """
 
 from __future__ import annotations
@@ -75,6 +80,10 @@ class RoleMetrics:
             "ffn_idle_seconds": 0.0,
             "peers_lost": 0,
             "peers_rejoined": 0,
+            "ffn_graph_replays": 0,
+            "ffn_eager_steps": 0,
+            "ffn_bucket_replays": 0,
+            "ffn_eager_layers": 0,
         }
         self.peer_up: dict[int, int] = {}
         self._last_publish = 0.0
@@ -227,6 +236,27 @@ class AFDCollector:
                 "rank serves it again)",
                 labels=labels,
             ),  # fmt: skip
+            "ffn_graph_replays": CounterMetricFamily(
+                "afd_ffn_graph_replays",
+                "FFN rank with CUDA graphs: steps replayed from a whole-step graph",
+                labels=labels,
+            ),
+            "ffn_eager_steps": CounterMetricFamily(
+                "afd_ffn_eager_steps",
+                "FFN rank with CUDA graphs: steps run layer by layer (no whole-step graph)",
+                labels=labels,
+            ),
+            "ffn_bucket_replays": CounterMetricFamily(
+                "afd_ffn_bucket_replays",
+                "FFN rank: layer computations of steps run layer by layer that replayed a "
+                "graph captured at a padded row count",
+                labels=labels,
+            ),
+            "ffn_eager_layers": CounterMetricFamily(
+                "afd_ffn_eager_layers",
+                "FFN rank: layer computations of steps run layer by layer that ran eagerly",
+                labels=labels,
+            ),
         }
         wait = HistogramMetricFamily(
             "afd_exchange_wait_seconds",

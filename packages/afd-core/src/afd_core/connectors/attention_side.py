@@ -68,6 +68,7 @@ class _AttentionStep:
     next_layer: list[int]
     inflight: dict[int, Exchange]
     order: AttentionOrder  # the exchanges in the order the FFN rank expects them
+    flags: ControlFlag = ControlFlag.NONE  # as announced (CAPTURE: nothing really moves)
 
 
 class AttentionSide:
@@ -100,6 +101,7 @@ class AttentionSide:
             ControlFlag(flags),
         )
         words = msg.encode()  # validates before anything is sent
+        self._bound_step(msg.flags)
         status_buf = torch.empty(STATUS_LEN, dtype=torch.uint8)
         try:
             # the status receive first: the FFN rank may answer before the control send
@@ -121,6 +123,7 @@ class AttentionSide:
             next_layer=[0] * len(msg.tokens),
             inflight={},
             order=AttentionOrder(self.wire.num_exchange_layers, msg.tokens),
+            flags=msg.flags,
         )
         self._step += 1
         return msg
@@ -329,7 +332,12 @@ class AttentionSide:
         exchange rows of zeros for every layer not yet exchanged, and take the status, so
         the FFN rank stays in step and the next step can run. Returns where each
         micro-batch had stopped; AFDPeerError if the transport cannot (then the deployment
-        cannot go on)."""
+        cannot go on).
+
+        A step announced as a graph capture moved nothing on either side: the FFN rank
+        recorded its whole step and already sent its status, and this rank's operations
+        were recorded into a capture that failed and will never run. Zeros would pair with
+        the next step's operations, so only the status is taken."""
         step = self._current
         if step is None:
             return ""
@@ -338,6 +346,11 @@ class AttentionSide:
             for mb, n in enumerate(step.next_layer)
             if step.rows[mb]
         )
+        if step.flags & ControlFlag.CAPTURE:
+            step.inflight.clear()  # recorded, never launched: nothing to wait for
+            self._finish(step)
+            self._count_step(failed=True)
+            return f"a graph capture, nothing moved; {stopped}"
         for mb in sorted(step.inflight):
             step.inflight[mb].wait()
         zeros = {mb: self._zero_rows(rows) for mb, rows in enumerate(step.rows) if rows}

@@ -2,7 +2,7 @@
 
 It is the only thing that wakes an FFN rank, and it tells it how many rows each micro-batch
 of this attention rank carries, so the FFN side knows every tensor shape before the first
-layer arrives. Wire format (version 2, VERSION): a fixed-length vector of int64
+layer arrives. Wire format (version 3, VERSION): a fixed-length vector of int64
 
     [MAGIC, VERSION, sender_rank, step, flags, num_microbatches, hidden_size, dtype_code,
      tokens[0], ..., tokens[MAX_MICROBATCHES - 1]]
@@ -18,7 +18,9 @@ import enum
 from dataclasses import dataclass
 
 MAGIC = 0x41464443  # "AFDC"
-VERSION = 2  # 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step
+# 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step;
+# 3: the STARTUP flag (start-up steps are bounded by startup_timeout_s on both sides)
+VERSION = 3
 MAX_MICROBATCHES = 4
 HEADER_LEN = 8
 MESSAGE_LEN = HEADER_LEN + MAX_MICROBATCHES
@@ -35,6 +37,7 @@ class ControlFlag(enum.IntFlag):
     SHUTDOWN = 4  # the sender leaves the deployment; no layer exchange follows
     DUMMY = 8  # no real requests: a data-parallel padding step or an idle rank's dummy batch
     PROFILE = 16  # vLLM's memory-profiling forward (max-size dummy batch)
+    STARTUP = 32  # before the attention server serves: bounded by startup_timeout_s
 
 
 KNOWN_FLAGS = int(
@@ -43,6 +46,7 @@ KNOWN_FLAGS = int(
     | ControlFlag.SHUTDOWN
     | ControlFlag.DUMMY
     | ControlFlag.PROFILE
+    | ControlFlag.STARTUP
 )
 
 

@@ -95,8 +95,12 @@ class CudaRuntime(DeviceRuntime):
         """Put this thread's stream-capture mode to thread-local: vLLM captures its graphs in
         CUDA's global mode, which forbids `cudaEventQuery` from every other thread while a
         capture is open; a watchdog query then would invalidate the capture (PyTorch's own
-        NCCL watchdog opts out the same way)."""
+        NCCL watchdog opts out the same way). The thread's device first: its first event
+        query would otherwise make a context on device 0 (a stray context on another
+        rank's GPU where a process sees several)."""
         import ctypes
+
+        self._torch.cuda.set_device(self.device)
 
         try:
             mode = ctypes.c_int(1)  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL

@@ -70,6 +70,7 @@ class FFNStepAssembly:
         for m in by_peer.values():
             flags |= m.flags
         self._plan = StepPlan(self._step, tuple(messages), rows, flags)
+        self._bound_step(flags)
         self._ring_next = 0  # every step uses the buffers in the same order (graph replay)
         self._recv_order = FFNOrder(n_mb, "receive")
         self._send_order = FFNOrder(n_mb, "send")

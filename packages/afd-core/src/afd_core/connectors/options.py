@@ -33,6 +33,11 @@ class GlooOptions(BaseModel):
     # Longest wait for every rank to join the rendezvous at start-up. Servers finish loading
     # at different times: raise it when one side loads a large model much later.
     connect_timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
+    # Longest wait for a peer within one start-up step (vLLM's profiling run, compile
+    # warm-up, graph captures: everything before the attention server serves). The first
+    # forward compiles (torch.compile, Triton and kernel JIT), which can take many minutes
+    # on a large model with a cold cache; it replaces timeout_s for those steps when longer.
+    startup_timeout_s: Seconds = Field(default=1800.0, gt=0, le=86400)
 
 
 class NcclOptions(GlooOptions):

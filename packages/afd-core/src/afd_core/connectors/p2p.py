@@ -145,6 +145,16 @@ class PointToPointConnector(
             connect_timeout_s=extra.connect_timeout_s * connect_scale,
         )
 
+    def _bound_step(self, flags) -> None:
+        """Bound this step's waits: a start-up step (STARTUP: the attention server's
+        profiling run, compile warm-up and captures, whose first forward compiles) by
+        startup_timeout_s where it is longer, any other by timeout_s. The transport takes
+        the bound at each post, so it holds for every operation of the step."""
+        extra = self.config.extra()
+        startup = bool(flags & ControlFlag.STARTUP)
+        bound = max(extra.startup_timeout_s, extra.timeout_s) if startup else extra.timeout_s
+        self._transport.timeout_s = bound
+
     def check_tensor(self, tensor) -> None:
         return None
 

@@ -5,7 +5,8 @@ passes (one runs in the calling thread; several run on the MicrobatchExecutor, s
 the DBO yield op, or all in one call to vLLM's UBatchWrapper, which switches at the same
 op), and the FFN rank's status. A failure inside the step on this rank
 (attention compute, a micro-batch thread) is finished in protocol with rows of zeros
-(`abort_step`) and raised as AFDStepError: that step's requests fail and the next step runs.
+(`abort_step`; a graph capture, where nothing moved, with the status only) and raised as
+AFDStepError: that step's requests fail and the next step runs.
 A failure the transport cannot survive is AFDPeerError: the deployment stops.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from afd_core.connectors.base import AFDConnector, AFDPeerError, AFDStepError
+from afd_core.connectors.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.microbatch import MicrobatchExecutor, MicrobatchStalled
 from afd_core.trace import now, trace_for
@@ -34,6 +36,9 @@ class AttentionStepDriver:
         # a step whose micro-batches stop making progress (every exchange is bounded by
         # the step timeout; a micro-batch's own compute between two is not) fails after it
         self.stall_timeout_s = _step_timeout_s(connector)
+        self.startup_timeout_s = _step_timeout_s(connector, "startup_timeout_s")
+        if self.startup_timeout_s is not None and self.stall_timeout_s is not None:
+            self.startup_timeout_s = max(self.startup_timeout_s, self.stall_timeout_s)
 
     def run(
         self,
@@ -51,11 +56,12 @@ class AttentionStepDriver:
         conn = self.connector
         t0 = now()
         msg = conn.begin_step(tuple(rows), flags)
+        stall_s = self.startup_timeout_s if flags & ControlFlag.STARTUP else self.stall_timeout_s
         try:
             if len(jobs) == 1:
                 results = [jobs[0]()]
             else:
-                results = self.executor.run(jobs, stall_timeout_s=self.stall_timeout_s)
+                results = self.executor.run(jobs, stall_timeout_s=stall_s)
             if replayed:
                 conn.mark_exchanged()
             conn.end_step()
@@ -74,18 +80,23 @@ class AttentionStepDriver:
                 stopped = conn.abort_step()
             except AFDPeerError as fatal:
                 raise fatal from exc
+            cleanup = (
+                "both sides recorded it and nothing moved"
+                if msg.flags & ControlFlag.CAPTURE
+                else "the rest of the step was exchanged as zeros"
+            )
             raise AFDStepError(
                 f"attention rank {conn.role_rank}: step {msg.step} failed on this rank "
-                f"({stopped}): {type(exc).__name__}: {exc}; the rest of the step was "
-                "exchanged as zeros, so the FFN rank is in step for the next one"
+                f"({stopped}): {type(exc).__name__}: {exc}; {cleanup}, so the FFN rank is "
+                "in step for the next one"
             ) from exc
 
     def close(self) -> None:
         self.executor.close()
 
 
-def _step_timeout_s(connector) -> float | None:
+def _step_timeout_s(connector, name: str = "timeout_s") -> float | None:
     try:
-        return float(connector.config.extra().timeout_s)
+        return float(getattr(connector.config.extra(), name))
     except (AttributeError, TypeError, ValueError):
         return None  # a connector without a step timeout (test doubles)

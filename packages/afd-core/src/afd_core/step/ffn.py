@@ -2,9 +2,20 @@
 
 Per step: the control messages of all peers (the most micro-batches any peer announced;
 a peer with fewer sends no rows in the rest), then for each layer, for each micro-batch in
-order: wait for the rows of every peer (their receives were posted together), post the
-receives of the next layer/micro-batch, compute, and send each peer its slice without
-waiting. A micro-batch with no rows stays in the protocol (it is walked, nothing moves).
+order: wait for the rows of every peer (their receives were posted together), compute,
+send each peer its slice without waiting, and only then post the receives of the next
+layer/micro-batch.
+
+Why the receive comes after the send: with one micro-batch the next receive's rows are the
+next layer of the same rows, which the peers send only once they have this layer's output.
+Posted before this send, that receive would sit on the device waiting for work this host
+has not enqueued yet, and any host call that waits for the whole device (a kernel loaded
+lazily on first use, the caching allocator's cudaMalloc/cudaFree, a synchronize in vLLM's
+code) would wait for it forever. Rule: never hold a posted receive whose data depends on
+work not yet enqueued. A captured step may prefetch (its graph is launched whole, nothing
+waits on the host between its operations), so `FFNGraphCache` asks for it.
+
+A micro-batch with no rows stays in the protocol (it is walked, nothing moves).
 A compute failure fails the step, not the deployment: the rest of the step is answered with
 zeros and the status message tells every peer which layer failed (unless compute raises
 AFDPeerError: then the rank cannot go on, e.g. its tensor-parallel group broke). A transport or protocol
@@ -68,20 +79,28 @@ class FFNStepServer:
         t_step = now()
         agreed = self.group.agree(plan) if self.group is not None else None
 
-        def run_layers():
-            return self._run_layers(plan, agreed)
+        eager_only = self.eager_only()
+
+        def run_layers(capturing: bool = False):
+            buckets = None
+            if self.graphs is not None and not capturing and not eager_only:
+                buckets = self.graphs.buckets
+            return self._run_layers(plan, agreed, prefetch=capturing, buckets=buckets)
 
         if self.graphs is None:
             failure = run_layers()
         else:
+            counts = self.graphs.counts()
             failure = self.graphs.run(
                 plan,
                 run_layers,
                 conn.settle_sends,
                 group_rows=agreed.rows if agreed is not None else None,
-                eager_only=self.eager_only(),
+                eager_only=eager_only,
                 watch=lambda: conn.watch_replay(f"the replay of step {plan.step}"),
             )
+            for name, n in self.graphs.counts_since(counts).items():
+                conn.metrics.add(name, n)
         conn.finish_step(failure)
         self.rows += sum(sum(rows) for rows in plan.rows)
         self.trace.add("step", t_step, now())
@@ -89,9 +108,13 @@ class FFNStepServer:
         self.failed_steps += failure is not None
         return True
 
-    def _run_layers(self, plan, agreed: GroupStep | None) -> StepStatus | None:
+    def _run_layers(
+        self, plan, agreed: GroupStep | None, prefetch: bool = False, buckets=None
+    ) -> StepStatus | None:
         """Every layer and micro-batch of the step: receive, compute, send; returns the
-        step's failure, if its compute raised."""
+        step's failure, if its compute raised. `prefetch`: post the next receive before
+        this compute (only where no host wait can come between them: a capture).
+        `buckets`: FFNBucketGraphs whose graphs replay a layer's compute where one fits."""
         import torch
 
         conn = self.connector
@@ -110,16 +133,18 @@ class FFNStepServer:
                         continue
                     batch = pending.wait()
                     k += 1
-                    if k < len(posted):  # lands in the other buffer while this one computes
+                    if prefetch and k < len(posted):  # lands in the other ring buffer
                         pending = conn.post_attn_output(*posted[k])
                     if agreed is not None:
                         out = self._compute_in_group(agreed, layer, mb, batch)
                     else:
-                        out, failure = self._compute(plan.step, layer, mb, batch, failure)
+                        out, failure = self._compute(plan.step, layer, mb, batch, failure, buckets)
                     conn.send_ffn_output(out, layer, mb)
+                    if not prefetch and k < len(posted):  # after the send: see the docstring
+                        pending = conn.post_attn_output(*posted[k])
         return failure
 
-    def _compute(self, step: int, layer: int, mb: int, batch: FFNBatch, failure):
+    def _compute(self, step: int, layer: int, mb: int, batch: FFNBatch, failure, buckets=None):
         """One layer/micro-batch of this rank alone: (output rows, the step's failure)."""
         import torch
 
@@ -130,7 +155,11 @@ class FFNStepServer:
             return torch.zeros_like(rows), failure
         try:
             t0 = now()
-            out = self.compute(layer, rows, batch.router_logits, batch.token_ids)
+            out = None
+            if buckets is not None:
+                out = buckets.run(layer, rows, batch.router_logits, batch.token_ids)
+            if out is None:
+                out = self.compute(layer, rows, batch.router_logits, batch.token_ids)
             self.trace.add("compute", t0, now())
             return out, None
         except AFDPeerError:

@@ -94,13 +94,15 @@ class CudaGraphBackend(GraphBackend):
     def capture(self, fn):
         torch = self._torch
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream():  # cannot be captured (the start-up thread)
+            side = torch.cuda.Stream()
+            side.wait_stream(stream)
+            stream = side
         # thread-local: the FFN process's other threads (control listeners, the transport's
         # watchdog) go on while this thread captures
         with torch.cuda.graph(
-            graph,
-            pool=self._pool,
-            stream=torch.cuda.current_stream(),
-            capture_error_mode="thread_local",
+            graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
         ):
             fn()
         return graph
@@ -118,6 +120,10 @@ class GraphStats:
     def as_dict(self) -> dict:
         return {"captured": self.captured, "replayed": self.replayed, "eager": self.eager}
 
+    def replayed_fraction(self) -> float:
+        steps = self.replayed + self.eager
+        return self.replayed / steps if steps else 0.0
+
 
 def graph_key(plan: StepPlan, group_rows: tuple | None = None) -> tuple:
     """What a captured FFN step depends on: rows per peer per micro-batch, and over an
@@ -133,6 +139,20 @@ class FFNGraphCache:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, Any] = {}
         self.stats = GraphStats()
+        # per-layer compute graphs at padded row counts, for steps run layer by layer
+        # (afd_core.step.ffn_buckets); None until the FFN rank captured them
+        self.buckets = None
+
+    def counts(self) -> dict:
+        """What the metrics count of this cache, now (see counts_since)."""
+        out = {"ffn_graph_replays": self.stats.replayed, "ffn_eager_steps": self.stats.eager}
+        if self.buckets is not None:
+            out["ffn_bucket_replays"] = self.buckets.stats.replayed
+            out["ffn_eager_layers"] = self.buckets.stats.eager
+        return out
+
+    def counts_since(self, before: dict) -> dict:
+        return {k: v - before.get(k, 0) for k, v in self.counts().items()}
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -148,7 +168,9 @@ class FFNGraphCache:
     ) -> Any:
         """Run the step's layers (`run_layers`, which returns the step's failure or None)
         as the key allows; `settle` joins the step's sends (called inside a capture);
-        `watch` bounds a replay just launched (its operations ran no Python)."""
+        `watch` bounds a replay just launched (its operations ran no Python).
+        `run_layers(capturing)`: True inside a capture, whose operations are launched
+        together at replay, so it may prefetch (step/ffn.py says why eager steps must not)."""
         key = graph_key(plan, group_rows)
         if plan.flags & ControlFlag.CAPTURE:
             # The peers capture: their operations are recorded, not run, so this side must
@@ -174,7 +196,7 @@ class FFNGraphCache:
         result: list = []
 
         def body():
-            result.append(run_layers())
+            result.append(run_layers(capturing=True))
             settle()
 
         graph = self.backend.capture(body)

@@ -64,9 +64,26 @@ def caller_stream():
 
 
 def enter_stream(stream) -> None:
-    """Make `stream` (and its device) current on this thread."""
-    if stream is not None:
-        sys.modules["torch"].accelerator.set_stream(stream)
+    """Make `stream` (and its device) current on this thread, for torch and for vLLM.
+
+    vLLM keeps its own record of each thread's current stream (`vllm.utils.torch_utils.
+    current_stream()`, read by its PyNccl collectives when given no stream, the attention
+    tensor-parallel all-gather among them, and by some MLA backends), kept by the
+    `torch.cuda.set_stream` vLLM patches in. `torch.accelerator.set_stream` bypasses it:
+    the thread's record would stay unset (vLLM then moves the thread to a new stream of
+    its own) or name an earlier step's stream, and those kernels would run on a stream
+    nobody waits for. So CUDA streams go through `torch.cuda.set_stream`, and other
+    devices' record is set as vLLM's patch sets it."""
+    if stream is None:
+        return
+    torch = sys.modules["torch"]
+    if getattr(getattr(stream, "device", None), "type", None) == "cuda":
+        torch.cuda.set_stream(stream)  # vLLM's patched one where vLLM is imported
+        return
+    torch.accelerator.set_stream(stream)
+    vllm_streams = sys.modules.get("vllm.utils.torch_utils")
+    if vllm_streams is not None and hasattr(vllm_streams, "_current_stream_tls"):
+        vllm_streams._current_stream_tls.value = stream
 
 
 class _Worker:

@@ -98,6 +98,9 @@ class AttentionStepEngine:
         self.choice: Choice | None = None
         self._planned_at = 0.0
         self.kind = StepKind.REAL
+        # until the worker's compile/warm-up is done: steps carry STARTUP (their first
+        # forward may compile for minutes; both sides bound them by startup_timeout_s)
+        self.starting_up = True
         self.stats = StepStats()
         self._contexts: list[Any] = []
         self._fail_next: str | None = None  # a drill: fail the next real step (see inject)
@@ -210,6 +213,8 @@ class AttentionStepEngine:
                 f"({phase.value}); with graphs, vLLM's UBatchWrapper splits steps"
             )
         flags = kind.value | (ControlFlag.CAPTURE if phase is GraphPhase.CAPTURE else 0)
+        if self.starting_up:
+            flags |= ControlFlag.STARTUP
         whole = False  # one job runs every announced micro-batch (vLLM's UBatchWrapper)
         if vllm_slices is not None:
             rows = tuple(self._rows(s.num_tokens) for s in vllm_slices)

@@ -13,7 +13,8 @@ per step and per rank instead:
 * `_build_attention_metadata`: vLLM builds one attention metadata per planned micro-batch
   with its own slicing helpers (`split_attn_metadata`), never reusing one micro-batch's;
 * `_dummy_run`: marks dummy and profiling forwards, which run unsplit, for the control
-  message's flags; a dummy step the FFN rank failed is logged, not fatal;
+  message's flags; a failed data-parallel dummy batch (an idle rank's step) is logged,
+  any other failed dummy forward (profiling, warm-up, graph capture) is raised;
 * `execute_model`: a step that failed but left the protocol in step (AFDStepError) returns
   an output that fails exactly that step's requests (see patches/step_failure.py); the
   engine goes on.
@@ -92,6 +93,10 @@ class AFDAttentionRunnerMixin:
                 return super()._build_attention_metadata(*args, **kwargs)
         return super()._build_attention_metadata(*args, **kwargs)
 
+    # set by the worker around vLLM's execute_dummy_batch: an idle data-parallel rank's
+    # step, the only dummy forward whose failure nothing depends on
+    afd_dp_dummy_batch = False
+
     def _dummy_run(self, num_tokens: int, *args, **kwargs):
         engine = self.afd_engine
         if engine is None:
@@ -100,10 +105,12 @@ class AFDAttentionRunnerMixin:
         try:
             return super()._dummy_run(num_tokens, *args, **kwargs)
         except AFDStepError as exc:
-            if engine.kind is StepKind.PROFILE:
+            # profiling, compile warm-up and graph capture: vLLM goes on with what they
+            # built (a size with no graph would be announced as a capture again at run
+            # time), so their failure stops the start-up with its cause
+            if not self.afd_dp_dummy_batch or kwargs.get("is_graph_capturing"):
                 raise
-            # an idle data-parallel rank's dummy batch: nothing depends on its output
-            logger.error("AFD: a dummy step failed and was skipped: %s", exc)
+            logger.error("AFD: a data-parallel dummy step failed and was skipped: %s", exc)
             import torch
 
             return torch.empty(0), torch.empty(0)

@@ -86,6 +86,22 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
         self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
         self.afd.attach(self.model_runner, self.max_microbatches, self.vllm_ubatching)
 
+    def compile_or_warm_up_model(self):
+        try:
+            return super().compile_or_warm_up_model()
+        finally:
+            # from here on the server serves: steps are bounded by timeout_s again
+            if self.afd is not None and self.afd.engine is not None:
+                self.afd.engine.starting_up = False
+
+    def execute_dummy_batch(self) -> None:
+        # an idle data-parallel rank's step: its failure may be skipped (attention_runner)
+        self.model_runner.afd_dp_dummy_batch = True
+        try:
+            super().execute_dummy_batch()
+        finally:
+            self.model_runner.afd_dp_dummy_batch = False
+
     # -- reachable through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1) -----------------
     def afd_step_stats(self) -> dict:
         """What this attention rank ran: steps by kind and by number of micro-batches."""

@@ -110,6 +110,20 @@ def make_wire_spec(vllm_config, model) -> WireSpec:
     )
 
 
+def warm_up_sizes(max_rows: int, capture_sizes=(), peers: int = 1) -> list[int]:
+    """The FFN's warm-up row counts: powers of two up to `max_rows` (a kernel's tuning
+    buckets) and `max_rows` itself, and each graph capture size for one peer and for all
+    of them (a captured step's rows), as far as they fit."""
+    sizes = {max_rows}
+    n = 1
+    while n < max_rows:
+        sizes.add(n)
+        n *= 2
+    for size in capture_sizes:
+        sizes.update(s for s in (size, size * peers) if s <= max_rows)
+    return sorted(sizes)
+
+
 class _Role:
     """This worker's AFD config, rank and connector."""
 
@@ -238,6 +252,11 @@ class FFNRole(_Role):
             self.layer_context = layer_context
         wire = make_wire_spec(self.vllm_config, model)
         self.connector = build_connector(self.config, self.rank, wire)
+        self.warm_up(wire)
+        if graphs is not None and self.tp_size == 1 and self.dp_size == 1:
+            # a TP leader shares each computation with its followers, an expert group's
+            # members meet in collectives sized by the step: both stay eager per layer
+            self.capture_buckets(wire, graphs)
         if self.tp_rank > 0:
             self._join_as_follower(wire)
             return
@@ -256,6 +275,105 @@ class FFNRole(_Role):
         )
         # an armed failure drill must run in Python: a replayed graph cannot raise
         self.server.eager_only = lambda: self._fail_next is not None
+
+    def warm_up(self, wire) -> list[int]:
+        """Run every layer once at each row count of `warm_up_sizes` before serving, on
+        rows of zeros: the FFN's kernels load (CUDA loads them lazily, on first use,
+        which may wait for the whole device), Triton compiles its MoE kernels per size
+        bucket, and the caching allocator grows to the largest step, all before the first
+        step, where a wait for the device could stall a peer (step/ffn.py). Every TP rank
+        and every expert-group member runs the same sizes in the same order, so the
+        collectives inside the layers line up. Returns the sizes."""
+        import torch
+
+        sizes = warm_up_sizes(
+            len(self.connector.peers) * wire.max_tokens,
+            getattr(self.vllm_config.compilation_config, "cudagraph_capture_sizes", None) or (),
+            len(self.connector.peers),
+        )
+        dtype, device = getattr(torch, wire.dtype), self.connector.device
+        t0 = time.monotonic()
+        with torch.inference_mode(), self.forward_context():
+            for rows in sizes:
+                hidden = torch.zeros(rows, wire.hidden_size, dtype=dtype, device=device)
+                logits = (
+                    torch.zeros(
+                        rows,
+                        wire.router_width,
+                        dtype=getattr(torch, wire.router_dtype),
+                        device=device,
+                    )
+                    if wire.router_width
+                    else None
+                )
+                ids = (
+                    torch.zeros(rows, dtype=torch.int64, device=device) if wire.token_ids else None
+                )
+                if self.dp_size > 1:
+                    self._set_group_rows(rows, (rows,) * self.dp_size)
+                for layer in self.model.ffn_layer_indices():
+                    with self.layer_context(rows, ids):
+                        self.model.compute_ffn_output(layer, hidden, logits, ids)
+        logger.info(
+            "AFD FFN rank %d: warmed up %d layers at %d row counts (1..%d) in %.1fs",
+            self.rank,
+            len(self.model.ffn_layer_indices()),
+            len(sizes),
+            sizes[-1],
+            time.monotonic() - t0,
+        )
+        return sizes
+
+    def capture_buckets(self, wire, graphs: FFNGraphCache) -> int:
+        """Capture every layer's compute at the bucket ladder up to the most rows the
+        peers' graphs can bring together (afd_core.step.ffn_buckets): a step no
+        whole-step graph matches (several attention servers' rows combined) replays them
+        layer by layer instead of running eagerly. Returns the number of graphs."""
+        import torch
+
+        from afd_core.step.ffn_buckets import FFNBucketGraphs, bucket_ladder
+
+        cc = self.vllm_config.compilation_config
+        per_peer = getattr(cc, "max_cudagraph_capture_size", None) or max(
+            getattr(cc, "cudagraph_capture_sizes", None) or [0]
+        )
+        ladder = bucket_ladder(
+            min(per_peer * len(self.connector.peers), wire.max_tokens * len(self.connector.peers))
+        )
+        if not ladder:
+            return 0
+        dtype, device = getattr(torch, wire.dtype), self.connector.device
+        top = ladder[-1]
+        inputs = (
+            torch.zeros(top, wire.hidden_size, dtype=dtype, device=device),
+            torch.zeros(
+                top, wire.router_width, dtype=getattr(torch, wire.router_dtype), device=device
+            )
+            if wire.router_width
+            else None,
+            torch.zeros(top, dtype=torch.int64, device=device) if wire.token_ids else None,
+        )
+        buckets = FFNBucketGraphs(graphs.backend, ladder)
+        t0 = time.monotonic()
+
+        def compute(layer, hidden, logits, ids):
+            with self.layer_context(hidden.shape[0], ids):
+                return self.model.compute_ffn_output(layer, hidden, logits, ids)
+
+        with torch.inference_mode():
+            n = buckets.capture(
+                self.model.ffn_layer_indices(), compute, inputs, context=self.forward_context
+            )
+        graphs.buckets = buckets
+        logger.info(
+            "AFD FFN rank %d: captured %d layer graphs at %d row counts (1..%d) in %.1fs",
+            self.rank,
+            n,
+            len(ladder),
+            top,
+            time.monotonic() - t0,
+        )
+        return n
 
     def _side_transport(self, name: str, rank: int, size: int, what: str):
         # a member may wait for another, whose start-up waits for its attention peers
