@@ -217,6 +217,10 @@ class RerunGraphBackend:
 HANDSHAKE_S = float(os.environ.get("AFD_TEST_NCCL_HANDSHAKE_S", "20"))
 
 
+class _Waited(threading.Event):
+    error: Exception | None = None
+
+
 class OrderedGlooComm:
     """One communicator. As NCCL's, a pair connects at its first operation, and that
     operation blocks the calling host thread until the peer's first operation on this
@@ -232,6 +236,8 @@ class OrderedGlooComm:
         self.aborted = False
         self.launches = 0  # operations outside a group, plus groups
         self._group: list | None = None  # (stream, fn) held back until group_end
+        self._waits: queue.Queue = queue.Queue()  # (gloo work, _Waited), in issue order
+        threading.Thread(target=self._waiter, name="standin-waiter", daemon=True).start()
 
     def group_start(self) -> None:
         assert self._group is None, "NCCL stand-in: nested group_start"
@@ -277,13 +283,38 @@ class OrderedGlooComm:
         self._enqueue(stream, lambda: self._op(self._pg.recv, tensor, peer))
 
     def _op(self, post, tensor, peer):
+        """Run one operation on its stream's thread until it completes or the
+        communicator is aborted (as ncclCommAbort ends a kernel waiting for a peer)."""
+        if self.aborted:
+            return
         try:
-            post([tensor], peer, 0).wait()
+            work = post([tensor], peer, 0)
         except Exception as exc:  # noqa: BLE001 - a stream has nobody to raise to
             if not self.aborted:
                 raise TransportError(str(exc)) from None
+            return
+        # gloo's point-to-point work completes only in wait(): a waiter thread waits, this
+        # stream's thread watches for the end or an abort
+        done = _Waited()
+        self._waits.put((work, done))
+        while not done.wait(0.05):
+            if self.aborted:
+                return  # the kernel ends; the buffer holds whatever it held
+        if done.error is not None and not self.aborted:
+            raise TransportError(str(done.error))
+
+    def _waiter(self) -> None:
+        while True:
+            work, done = self._waits.get()
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - handed to the stream
+                done.error = exc
+            done.set()
 
     def abort(self) -> None:
+        """As ncclCommAbort: the pending operations end (with garbage), later ones do
+        nothing."""
         self.aborted = True
 
 
@@ -319,7 +350,7 @@ def nccl_standin_connector(cfg, rank, wire):
     if os.environ.get("AFD_TEST_NO_PRECONNECT"):
         from afd_core.connectors.device_transport import DeviceTransport
 
-        DeviceTransport._preconnect = lambda self: None
+        DeviceTransport._preconnect = lambda self, *args: None
 
     return NcclConnector(
         cfg, rank, wire, runtime=HostRuntime(), comm_factory=OrderedGlooFactory(cfg.host, cfg.port)

@@ -1,4 +1,5 @@
-"""Lose the FFN server, not the attention servers (gloo): when the FFN rank dies in the
+"""Lose the FFN server, not the attention servers (gloo, and NCCL over its CPU stand-in:
+each attention rank has a link of its own there too): when the FFN rank dies in the
 middle of a step, or hangs past the step timeout, both attention servers fail that step and
 every later one at once (AFDFFNLostError, their /metrics peer state 0) without stopping;
 they are served again, steps counted from 0, once an FFN rank is back: a restarted FFN
@@ -129,8 +130,13 @@ def _collapse(outcomes: list[str]) -> list[str]:
     return [o for i, o in enumerate(outcomes) if i == 0 or outcomes[i - 1] != o]
 
 
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
 @pytest.mark.parametrize("how", ["crash", "hang"])
-def test_the_attention_servers_outlive_their_ffn_server_and_are_served_again(how, tmp_path):
+def test_the_attention_servers_outlive_their_ffn_server_and_are_served_again(
+    how, connector, tmp_path, monkeypatch
+):
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
     port = free_port()
     targets = [
         (ffn, port, tmp_path, 0),

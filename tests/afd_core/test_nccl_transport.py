@@ -72,14 +72,15 @@ def test_failed_steps_stay_in_step_over_nccl(over_nccl):
 
 def test_ffn_abort_reaches_the_peers_over_the_control_channel(over_nccl):
     """A wrong step number: the FFN rank stops and its reason (sent on the control channel,
-    where NCCL's ordering cannot hold it back) reaches both attention ranks."""
+    where NCCL's ordering cannot hold it back) reaches both attention ranks, which stay up
+    and wait for an FFN rank, as on gloo (each has a link of its own)."""
     steps = {0: [(2,), (2,), (2,)], 1: [(1, 1), (1, 1), (1, 1)]}
     results = step_protocol.deploy(2, 1, steps, skip={1: 1}, timeout=5.0)
     assert_no_errors(results)
     assert "attention rank 1 announced step 2, but step 1 is next" in results[("ffn", 0)]
     for r in (0, 1):
         last = results[("attention", r)][-1]
-        assert last.startswith("STOPPED AFDPeerError"), last
+        assert last.startswith("step failed") and "is gone" in last, last
         assert "attention rank 1 announced step 2" in last, last
 
 
@@ -130,12 +131,28 @@ def test_a_device_wide_wait_inside_the_ffns_step_cannot_deadlock(monkeypatch, mu
     assert "a device-wide synchronize waited 3s" in outcome[0], outcome
 
 
-def capturing_attn(port, fail_layer, q):
-    """Steps: eager (2 rows), a capture of 4 rows that fails at `fail_layer`, then eager
-    steps of 3 and 5 rows whose outputs are checked."""
+def _checked_steps(driver, steps, outcome: list) -> None:
+    """Run one-micro-batch steps [(rows, job, flags)] on attention rank 0, appending to
+    `outcome` "ok" (the output is the protocol test's reference), "wrong output in step s"
+    or "step failed: why"."""
     import torch
 
     from afd_core.connectors.base import AFDStepError
+
+    for step, (n, job, flags) in enumerate(steps):
+        try:
+            [out] = driver.run((n,), [job], flags=flags)
+        except AFDStepError as exc:
+            outcome.append(f"step failed: {exc}")
+            continue
+        want = step_protocol.expected(0, step, 0, n, LAYERS)
+        outcome.append("ok" if torch.equal(out, want) else f"wrong output in step {step}")
+
+
+def capturing_attn(port, fail_layer, q):
+    """Steps: eager (2 rows), a capture of 4 rows that fails at `fail_layer`, then eager
+    steps of 3 and 5 rows whose outputs are checked."""
+
     from afd_core.connectors.control import ControlFlag
     from afd_core.step.attention import AttentionStepDriver
 
@@ -160,15 +177,15 @@ def capturing_attn(port, fail_layer, q):
 
             return run
 
-        for step, (n, capture) in enumerate([(2, False), (4, True), (3, False), (5, False)]):
-            flags = ControlFlag.CAPTURE if capture else ControlFlag.NONE
-            try:
-                [out] = driver.run((n,), [job(step, n, capture)], flags=flags)
-            except AFDStepError as exc:
-                outcome.append(f"step failed: {exc}")
-                continue
-            want = step_protocol.expected(0, step, 0, n, LAYERS)
-            outcome.append("ok" if torch.equal(out, want) else f"wrong output in step {step}")
+        steps = [(2, False), (4, True), (3, False), (5, False)]
+        _checked_steps(
+            driver,
+            [
+                (n, job(s, n, capture), ControlFlag.CAPTURE if capture else ControlFlag.NONE)
+                for s, (n, capture) in enumerate(steps)
+            ],
+            outcome,
+        )
         driver.close()
         conn.close()
         q.put((("attention", 0), outcome))
@@ -210,9 +227,8 @@ STARTUP_DELAY_S = 4.0  # the first forward's "compile", past the 2 s step timeou
 def slow_first_forward_attn(port, startup: bool, q):
     """Two steps; the first one's forward starts STARTUP_DELAY_S after its control message
     (as a cold first forward compiles after announcing the step), flagged STARTUP or not."""
-    import torch
 
-    from afd_core.connectors.base import AFDPeerError, AFDStepError
+    from afd_core.connectors.base import AFDPeerError
     from afd_core.connectors.control import ControlFlag
     from afd_core.step.attention import AttentionStepDriver
 
@@ -233,14 +249,9 @@ def slow_first_forward_attn(port, startup: bool, q):
             return run
 
         first = ControlFlag.PROFILE | (ControlFlag.STARTUP if startup else ControlFlag.NONE)
-        for step, (n, delay, flags) in enumerate([(4, STARTUP_DELAY_S, first), (2, 0.0, 0)]):
-            try:
-                [out] = driver.run((n,), [job(step, n, delay)], flags=flags)
-            except AFDStepError as exc:
-                outcome.append(f"step failed: {exc}")
-                continue
-            want = step_protocol.expected(0, step, 0, n, LAYERS)
-            outcome.append("ok" if torch.equal(out, want) else f"wrong output in step {step}")
+        _checked_steps(
+            driver, [(4, job(0, 4, STARTUP_DELAY_S), first), (2, job(1, 2, 0.0), 0)], outcome
+        )
         driver.close()
         conn.close()
         q.put((("attention", 0), outcome))
@@ -342,9 +353,17 @@ def test_a_peer_whose_first_step_comes_after_the_connect_timeout_is_served(monke
 
 
 def _comm_counts(t) -> dict:
+    """Per direction, over every link's communicators (the AFD group's transport has one
+    pair of communicators per attention member)."""
+    pairs = [link.comms for link in t._links.values()] or [t._comms]
+    directions = ("to_first", "from_first")
     return {
-        "comms": {d: (len(c.sent), len(c.received)) for d, c in t._comms.items()},
-        "launches": {d: c.launches for d, c in t._comms.items()},
+        "comms": {
+            d: (sum(len(c[d].sent) for c in pairs), sum(len(c[d].received) for c in pairs))
+            for d in directions
+        },
+        "launches": {d: sum(c[d].launches for c in pairs) for d in directions},
+        "links": len(t._links),
     }
 
 
@@ -353,7 +372,7 @@ def _count_watched(t) -> list:
     drops completed ones at once)."""
     watched = []
     real_watch = t._watchdog.watch
-    t._watchdog.watch = lambda *args: (watched.append(args[1]), real_watch(*args))
+    t._watchdog.watch = lambda *args, **kw: (watched.append(args[1]), real_watch(*args, **kw))
     return watched
 
 
@@ -431,6 +450,7 @@ def test_one_launch_per_direction_and_layer_and_fixed_receive_buffers(over_nccl,
         # one launch (one NCCL group, one event, one watchdog entry) per direction and
         # exchange: the three sends go out together
         assert attn["launches"] == {"to_first": exchanges + 1, "from_first": exchanges + 1}
+        assert attn["links"] == 1
         assert attn["watched"] == 2 * exchanges  # (the start-up connection polls its own)
         # the caller's stream joins each launch once: 2 waits per exchange, not 4
         assert attn["waits"] == 2 * exchanges
@@ -438,9 +458,11 @@ def test_one_launch_per_direction_and_layer_and_fixed_receive_buffers(over_nccl,
         "to_first": (0, a * (3 * exchanges + 1)),
         "from_first": (a * (exchanges + 1), 0),
     }
-    # the FFN rank receives every peer's rows, logits and token ids of a layer/micro-batch
-    # in one launch, and returns every peer's slice in one (start-up: one per peer)
-    assert ffn["launches"] == {"to_first": exchanges + a, "from_first": exchanges + a}
+    # each peer has a link (two communicators) of its own, so that it fails alone: the FFN
+    # rank receives each peer's rows, logits and token ids of a layer/micro-batch in one
+    # launch on that peer's link, and returns each peer's slice in one (start-up: one each)
+    assert ffn["links"] == a
+    assert ffn["launches"] == {"to_first": a * (exchanges + 1), "from_first": a * (exchanges + 1)}
     assert ffn["streams"] == 2
     # receive buffers: allocated once at start-up for the peers' max-num-batched-tokens
     # (64 each, so the 64-row step fits), two sets used in turn, the same addresses every step
@@ -473,24 +495,30 @@ def waiting_attn(port, q):
         conn = make("attention", 0, 1, 1, port, timeout=2.0)
         conn.init()
         conn.begin_step((3,))
+        t = conn._transport
+        comms = [c for link in t._links.values() for c in link.comms.values()]
         t0 = time.monotonic()
         try:
             conn.start_exchange(torch.ones(3, HIDDEN), 0).wait()
             q.put(("attention", "no error"))
         except Exception as exc:
-            aborted = [c.aborted for c in conn._transport._comms.values()] or ["cleared"]
+            aborted = [c.aborted for c in comms] or ["cleared"]
             q.put(("attention", (f"{type(exc).__name__}: {exc}", time.monotonic() - t0, aborted)))
     except Exception:
         q.put(("attention", "ERROR " + traceback.format_exc()))
 
 
 def test_watchdog_turns_a_stuck_receive_into_the_named_error(over_nccl):
+    """The FFN rank takes the rows and never answers: the attention rank's watchdog aborts
+    its link after the step timeout, and the step fails naming the layer, the step and the
+    bound; the rank stays up and waits for an FFN rank (as on gloo)."""
     out = run_processes([(silent_ffn, port := free_port()), (waiting_attn, port)])
     assert out["ffn"] == "ok", out
-    text, waited, _ = out["attention"]
-    assert text.startswith("AFDPeerError"), text
+    text, waited, aborted = out["attention"]
+    assert text.startswith("AFDFFNLostError"), text
     assert "layer 0 (micro-batch 0) of step 0" in text and "FFN rank 0" in text, text
-    assert "no answer within 2s; the NCCL data channel was aborted" in text, text
+    assert "no answer within 2s; the NCCL link with group rank 0 was aborted" in text, text
+    assert aborted == [True, True], aborted  # both communicators of the link
     assert 1.5 < waited < 6, waited
 
 
@@ -644,6 +672,85 @@ def test_building_the_connector_touches_no_device():
     conn = build_connector(cfg, 0, WireSpec(8, "bfloat16", 2, 16))
     assert type(conn).__name__ == "NcclConnector" and conn._runtime is None
     assert threading.active_count() >= 1
+
+
+def test_a_keyed_operation_past_its_deadline_costs_its_key_alone():
+    """Operations of a per-member link are watched under the link's key: the first one
+    past its deadline calls on_key_expired with the key, that key's other operations leave
+    the watch, and every other operation stays watched (and may complete). An operation
+    without a key past its deadline stops the watchdog as before."""
+    from afd_core.connectors.device import Watchdog
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+    keyed, channel = [], []
+    dog = Watchdog(
+        "t", lambda what, t: channel.append(what), on_key_expired=lambda k, w, t: keyed.append(k)
+    )
+    stuck, stuck_later, healthy = Event(), Event(), Event()
+    dog.watch(stuck, "receive from group rank 2", 0.2, key=2)
+    dog.watch(stuck_later, "send to group rank 2", 0.3, key=2)
+    dog.watch(healthy, "receive from group rank 1", 0.6, key=1)
+    deadline = time.monotonic() + 5
+    while not keyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert keyed == [2] and dog.pending() == 1  # rank 2's two left, rank 1's is watched
+    healthy.done = True
+    while dog.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.pending() == 0 and keyed == [2] and channel == []
+    dog.watch(Event(), "a group-wide launch", 0.1)
+    while not channel and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert channel == ["a group-wide launch"]
+    dog.stop()
+
+
+def test_a_links_expiry_or_drop_aborts_that_link_alone():
+    """Per-member links: the watchdog's expiry of one link aborts its two communicators
+    and fails its later operations by name; the other link is untouched; a dropped member's
+    link is aborted at once (its pending kernels end)."""
+    import torch
+
+    from afd_core.connectors.device import ChannelAborted
+    from afd_core.connectors.device_transport import DeviceLink
+    from afd_core.connectors.nccl import NcclTransport
+    from tests.afd_core.nccl_standin import HostRuntime
+
+    class Comm(RecordingComm):
+        def __init__(self):
+            super().__init__()
+            self.aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    t = NcclTransport(
+        "127.0.0.1", 1, 0, 0, 3, False, 5.0, 5.0, runtime=HostRuntime(), comm_factory=None
+    )
+    t.per_member_links = True
+    t._links = {
+        m: DeviceLink(ctrl=None, comms={"to_first": Comm(), "from_first": Comm()}, remote=1)
+        for m in (1, 2)
+    }
+    t._start_streams()
+    t._link_expired(2, "receive from group rank 2", 5.0)
+    assert all(c.aborted for c in t._links[2].comms.values())
+    assert not any(c.aborted for c in t._links[1].comms.values())
+    with pytest.raises(ChannelAborted, match="the NCCL link with group rank 2 was aborted"):
+        t.isend(torch.ones(1), 2, 0)
+    t.isend(torch.ones(1), 1, 0)  # the other link goes on
+    assert t._links[1].comms["from_first"].calls == [("send", 1)]  # its pair's rank 1
+    t.drop_member(1)
+    assert all(c.aborted for c in t._links[1].comms.values())
+    with pytest.raises(ChannelAborted, match="group rank 1 was dropped"):
+        t.irecv(torch.ones(1), 1, 0)
+    t._watchdog.stop()
 
 
 def test_watchdog_thread_is_set_up_first_and_survives_a_failing_query():

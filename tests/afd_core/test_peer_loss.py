@@ -1,4 +1,5 @@
-"""Lose an attention server, not the deployment (gloo): a peer whose process dies, between
+"""Lose an attention server, not the deployment (gloo, and NCCL over its CPU stand-in, where
+each attention rank has a link of its own too): a peer whose process dies, between
 steps or in the middle of one, is dropped by its FFN rank while the other attention server
 is served on without a failed step; the same server, restarted, rejoins the running FFN
 server and serves again. A restart that does not fit is refused with the reason, and only
@@ -163,9 +164,12 @@ def _run(tmp_path, die_at, misfit_first=False):
     [(3, 0), (5, 1), ("hang", 4, 1)],
     ids=["crash-at-step-3-layer-0", "crash-at-step-5-layer-1", "hang-at-step-4-layer-1"],
 )
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
 def test_a_lost_attention_server_is_dropped_the_other_served_and_its_restart_rejoins(
-    die_at, tmp_path
+    die_at, connector, tmp_path, monkeypatch
 ):
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
     out = _run(tmp_path, die_at)
     # the other server: every step right, none failed, while server 1 died and came back
     assert out[0]["wrong"] == 0 and out[0]["steps"] >= STEPS

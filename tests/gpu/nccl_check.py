@@ -247,6 +247,9 @@ def _pingpong(env, conn, attention: bool) -> dict:
     buf = torch.ones(8, HIDDEN, device=env.device)
     back = torch.empty_like(buf)
     cur = env.runtime.current_stream()
+    peer = 0 if attention else 1  # group ranks: the FFN rank, attention rank 0
+    send_comm, send_stream, rank = t.endpoint(peer, send=True)
+    recv_comm, recv_stream, _ = t.endpoint(peer, send=False)
     warm, timed = PINGPONG
     timer = None
     for i in range(warm + timed):
@@ -254,15 +257,15 @@ def _pingpong(env, conn, attention: bool) -> dict:
             env.sync()
             timer = _DeviceTimer(env)
         if attention:
-            t._send_stream.wait_stream(cur)
-            t._send_comm.send(buf, 0, t._send_stream)
-            t._recv_comm.recv(back, 0, t._recv_stream)
-            env.wait_stream(t._recv_stream)
+            send_stream.wait_stream(cur)
+            send_comm.send(buf, rank, send_stream)
+            recv_comm.recv(back, rank, recv_stream)
+            env.wait_stream(recv_stream)
         else:
-            t._recv_comm.recv(back, 1, t._recv_stream)
-            t._send_stream.wait_stream(t._recv_stream)
-            t._send_comm.send(back, 1, t._send_stream)
-            env.wait_stream(t._send_stream)
+            recv_comm.recv(back, rank, recv_stream)
+            send_stream.wait_stream(recv_stream)
+            send_comm.send(back, rank, send_stream)
+            env.wait_stream(send_stream)
     rtt_us = timer.ms() * 1000 / timed
     return {"round_trip_us": round(rtt_us, 1), "bytes": buf.numel() * 4, "timed_with": timer.kind}
 

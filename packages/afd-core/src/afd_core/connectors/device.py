@@ -114,7 +114,10 @@ class CudaRuntime(DeviceRuntime):
 
 class Watchdog:
     """One thread watching the events of posted operations against their deadlines; the
-    first operation past its deadline calls `on_expired(what, timeout_s)` once."""
+    first operation past its deadline calls `on_expired(what, timeout_s)` once, and the
+    watchdog stops. An operation watched with a `key` (a per-member link's) calls
+    `on_key_expired(key, what, timeout_s)` instead: that key's operations leave the watch
+    and the others stay watched (the link alone is aborted)."""
 
     POLL_S = 0.005
 
@@ -123,19 +126,21 @@ class Watchdog:
         name: str,
         on_expired: Callable[[str, float], None],
         thread_init: Callable[[], None] = lambda: None,
+        on_key_expired: Callable[[object, str, float], None] | None = None,
     ):
         self._on_expired = on_expired
+        self._on_key_expired = on_key_expired
         self._thread_init = thread_init
-        self._heap: list = []  # (deadline, seq, event, what, timeout_s)
+        self._heap: list = []  # (deadline, seq, event, what, timeout_s, key)
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, event, what: str, timeout_s: float) -> None:
+    def watch(self, event, what: str, timeout_s: float, key=None) -> None:
         with self._cond:
-            entry = (time.monotonic() + timeout_s, next(self._seq), event, what, timeout_s)
+            entry = (time.monotonic() + timeout_s, next(self._seq), event, what, timeout_s, key)
             heapq.heappush(self._heap, entry)
             self._cond.notify()
 
@@ -162,10 +167,17 @@ class Watchdog:
                 expired = (
                     self._heap[0] if self._heap and self._heap[0][0] < time.monotonic() else None
                 )
-                if expired is not None:
+                key = expired[5] if expired is not None else None
+                alone = expired is not None and key is not None and self._on_key_expired
+                if alone:  # that key's operations go; the others stay watched
+                    self._heap = [e for e in self._heap if e[5] != key]
+                    heapq.heapify(self._heap)
+                elif expired is not None:
                     self._heap.clear()
                     self._stopped = True
-            if expired is not None:
+            if alone:
+                self._on_key_expired(key, expired[3], expired[4])
+            elif expired is not None:
                 self._on_expired(expired[3], expired[4])
                 return
             time.sleep(self.POLL_S)

@@ -18,10 +18,11 @@ Either way the rank's steps count from 0 again on a fresh link. A restarted FFN 
 than 0, while FFN rank 0 runs, cannot come back (rejoin.py refuses it): the ranks it served
 fail their steps until the whole FFN side is restarted.
 
-The loss stays fatal (AFDPeerError, the server stops) where one communicator spans the
-group (NCCL, HCCL), before the deployment formed, and on an attention server with tensor
-parallelism (`ffn_loss_fatal`): its ranks would not all fail a step at the same point, and
-one could wait in vLLM's all-gather for a rank that left the step.
+The loss stays fatal (AFDPeerError, the server stops) before the deployment formed, and
+where the attention role sets `ffn_loss_fatal`: on an attention server with tensor
+parallelism (its ranks would not all fail a step at the same point, and one could wait in
+vLLM's all-gather for a rank that left the step), and on one with device graphs (vLLM
+captured them once, with the lost link's communicators in them).
 """
 
 from __future__ import annotations

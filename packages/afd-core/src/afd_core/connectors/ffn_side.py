@@ -121,6 +121,7 @@ class FFNDataPath:
         if self._active_peers[i]:
             self._active_peers[i] = False
             self.peers_lost.append(self.peers[i])
+            self._transport.drop_member(i + 1)
             self._release_claim(i)
             self.metrics.set_peers([self.peers[i]], False)
             self.metrics.add("peers_lost")

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from afd_core.connectors.member_links import MemberLinks
 from afd_core.connectors.p2p import PointToPointConnector
 from afd_core.connectors.rendezvous import (
     StoreTransport,
     abort_groups,
     gloo_group,
 )
-from afd_core.connectors.transport import Handle, Transport, TransportError
+from afd_core.connectors.transport import Handle, Transport
 
 
 @dataclass
@@ -35,26 +36,17 @@ class Link:
     remote: int
 
 
-class GlooTransport(StoreTransport):
+class GlooTransport(MemberLinks, StoreTransport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._data = None
-        self.per_member_links = False  # the AFD group's transport: set by GlooConnector
-        self._links: dict[int, Link] = {}  # group rank -> its link (per_member_links)
-        self._prefix = f"afd/g{self.group}"
+        self._init_links()
 
     def _connect_channels(self, prefix: str) -> None:
         if not self.per_member_links:
             super()._connect_channels(prefix)
             return
-        self._prefix = prefix
-        if self.group_rank == 0:
-            self._links = {m: self._link(m, 0) for m in range(1, self.group_size)}
-            for m in self._links:  # every member is connecting its link now
-                self._check_link(m)
-        else:
-            self._links = {0: self._link(self.group_rank, 0)}
-            self._check_link(0)
+        self._connect_member_links(prefix)
 
     def _link(self, member: int, incarnation: int) -> Link:
         """Member `member`'s link, for its `incarnation`-th process (0: the first)."""
@@ -85,30 +77,8 @@ class GlooTransport(StoreTransport):
         for group in (link.ctrl, link.data):
             self._connect_pair(group, 1 - link.remote, link.remote, what)
 
-    def relink(self, member: int, incarnation: int) -> None:
-        """FFN rank: a restarted member's fresh link replaces its failed one (the member
-        is connecting its side now)."""
-        old = self._links.get(member)
-        self._links[member] = self._link(member, incarnation)
-        if old is not None:
-            abort_groups(old.ctrl, old.data)
-        try:
-            self._check_link(member)
-        except TransportError:
-            abort_groups(self._links[member].ctrl, self._links[member].data)
-            raise
-
-    def join_link(self, incarnation: int) -> None:
-        """A restarted attention member joins a running group: its link only, no waiting
-        for the other members (they are serving)."""
-        self._links = {0: self._link(self.group_rank, incarnation)}
-        self._check_link(0)
-
-    def _ctrl_of(self, peer: int) -> tuple:
-        if not self.per_member_links:
-            return self._ctrl, peer
-        link = self._links[peer]
-        return link.ctrl, link.remote
+    def _abort_link(self, link: Link) -> None:
+        abort_groups(link.ctrl, link.data)
 
     def _data_of(self, peer: int) -> tuple:
         if not self.per_member_links:
@@ -128,11 +98,9 @@ class GlooTransport(StoreTransport):
         )
 
     def close(self) -> None:
-        abort_groups(
-            self._data, *(g for link in self._links.values() for g in (link.ctrl, link.data))
-        )
+        abort_groups(self._data)
         self._data = None
-        self._links = {}
+        self._close_links()
         super().close()
 
     def isend(self, tensor, peer: int, tag: int) -> Handle:

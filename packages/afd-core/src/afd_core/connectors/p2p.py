@@ -164,7 +164,7 @@ class PointToPointConnector(
     # growing: their addresses never change (a captured device graph reads them)
     fixed_receive_buffers = False
     # FFN side: a lost attention peer is dropped and the others are served on (its
-    # channels fail alone); False where one communicator spans the group (NCCL, HCCL)
+    # channels fail alone: member_links.py); False for a transport without such links
     survives_peer_loss = False
 
     # -- naming, for error messages --------------------------------------------------------

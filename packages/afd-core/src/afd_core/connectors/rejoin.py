@@ -11,10 +11,10 @@ and its steps count from 0 again. A failed rejoin fails the restarted rank only:
 written to `afd/failed` after the deployment formed.
 
 Only a transport whose links fail alone can take a rejoining peer (`survives_peer_loss`):
-where one communicator spans the group (NCCL, HCCL), a lost peer stops its FFN rank and a
-restart starts the deployment again. A restarted FFN rank other than 0 is refused the same
-way (its attention peers stopped with it); FFN rank 0 holds the store, so its restart is a
-new deployment.
+gloo's, and the device transports' (NCCL, HCCL), whose AFD groups have a communicator pair
+per attention member (member_links.py). A restarted FFN rank other than 0 is refused (its
+attention peers are served by no one until the FFN side restarts); FFN rank 0 holds the
+store, so its restart is a new deployment.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Rejoining:
             raise AFDPeerError(
                 f"{me}: the deployment at {self.config.host}:{self.config.port} is running, "
                 f"and connector {self.config.connector!r} cannot take a restarted attention "
-                "server (one communicator spans each group): restart the deployment"
+                "server (its channels span the group): restart the deployment"
             )
         if problem := self._shape_problem(transport, max(deadline - time.monotonic(), 1.0)):
             raise AFDPeerError(problem)

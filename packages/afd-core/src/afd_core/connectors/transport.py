@@ -109,6 +109,13 @@ class Transport(ABC):
         operation at once: nothing to group."""
         return nullcontext()
 
+    def drop_member(self, member: int) -> None:
+        """The connector lost group rank `member`: release whatever of its link still
+        waits (a device link's pending kernels would hold the others' operations queued
+        behind them on a stream). Host transports fail a lost peer's operations at once:
+        nothing to do."""
+        return None
+
     def watch_device_work(self, what: str) -> None:
         """Bound the device work enqueued so far on the caller's current stream (a replayed
         graph's exchanges, which no Python posted) like a posted operation: past the step

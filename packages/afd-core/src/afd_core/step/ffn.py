@@ -67,6 +67,7 @@ class FFNStepServer:
         self.steps = 0  # steps served
         self.rows = 0  # rows received per layer, over all steps and peers
         self.failed_steps = 0
+        self._rejoins_seen = 0
         self.trace = trace_for("ffn", connector.role_rank)
 
     def serve_step(self) -> bool:
@@ -76,6 +77,12 @@ class FFNStepServer:
         plan = conn.recv_control()
         if conn.all_peers_left:
             return False
+        rejoined = len(getattr(conn, "peers_rejoined", ()))
+        if self.graphs is not None and rejoined != self._rejoins_seen:
+            # a rejoined peer has a fresh link: whole-step graphs hold the old one's
+            # communicators (layer graphs hold none); its server's captures come again
+            self._rejoins_seen = rejoined
+            self.graphs.drop_step_graphs()
         t_step = now()
         agreed = self.group.agree(plan) if self.group is not None else None
 

@@ -143,6 +143,11 @@ class FFNGraphCache:
         # (afd_core.step.ffn_buckets); None until the FFN rank captured them
         self.buckets = None
 
+    def drop_step_graphs(self) -> None:
+        """Forget every whole-step graph (their keys run layer by layer until captured
+        again); the layer graphs stay."""
+        self._graphs.clear()
+
     def counts(self) -> dict:
         """What the metrics count of this cache, now (see counts_since)."""
         out = {"ffn_graph_replays": self.stats.replayed, "ffn_eager_steps": self.stats.eager}

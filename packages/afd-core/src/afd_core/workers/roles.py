@@ -183,6 +183,10 @@ class AttentionRole(_Role):
             self.engine.set_policy(self.engine.policy, adaptive=True)
         # outside vLLM's graph wrapper: the control message goes out before every replay
         self.engine.graph_wrapper = find_graph_wrapper(model)
+        if self.engine.graph_wrapper is not None:
+            # vLLM's graphs, captured once at start-up, hold this link's communicators: a
+            # new FFN rank's link could not be replayed, so a lost FFN rank stops the server
+            self.connector.ffn_loss_fatal = True
         runner.model = AFDStepWrapper(model, self.engine)
         runner.afd_engine = self.engine
 

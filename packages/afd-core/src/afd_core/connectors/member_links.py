@@ -1,0 +1,85 @@
+"""Each attention member of an AFD group gets channels of its own with its FFN rank.
+
+In an AFD group (one FFN rank at group rank 0, its attention peers) a link joins the FFN
+rank with one member: a control pair (gloo, CPU) and the transport's data pair (gloo on
+CPU, a two-rank communicator per direction on a device). A lost member then fails alone:
+the connector drops it (`drop_member`: a device link's pending kernels are released at
+once, so nothing of the others waits behind them on a stream), the others go on, and a restarted member gets a fresh link (`relink` on the FFN
+rank, `join_link` on the member; a failed gloo pair or an aborted communicator cannot be
+used again). The link of a member's `incarnation`-th process lives under its own store
+prefix.
+
+The groups between an FFN rank's own workers (tensor parallel, expert groups) are one
+group of all members (`per_member_links` False): they stop together.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from afd_core.connectors.transport import TransportError
+
+
+class MemberLinks:
+    """StoreTransport mixin. A subclass makes (`_link`), connects (`_check_link`) and
+    aborts (`_abort_link`) one link; a link has `.ctrl` (a two-member gloo group) and
+    `.remote` (the other side's rank in its pairs)."""
+
+    per_member_links = False  # the AFD group's transport: set by its connector
+
+    def _init_links(self) -> None:
+        self._links: dict = {}  # group rank -> its link (per_member_links)
+        self._prefix = f"afd/g{self.group}"
+
+    @abstractmethod
+    def _link(self, member: int, incarnation: int):
+        """Member `member`'s link, for its `incarnation`-th process (0: the first)."""
+
+    @abstractmethod
+    def _check_link(self, peer: int) -> None:
+        """Connect link `peer`'s pairs now, while its other side does the same."""
+
+    @abstractmethod
+    def _abort_link(self, link) -> None:
+        """Stop everything of the link's (pending operations end with an error)."""
+
+    def _connect_member_links(self, prefix: str) -> None:
+        self._prefix = prefix
+        if self.group_rank == 0:
+            self._links = {}
+            for m in range(1, self.group_size):  # every member connects its link now
+                self._links[m] = self._link(m, 0)
+                self._check_link(m)
+        else:
+            self._links = {0: self._link(self.group_rank, 0)}
+            self._check_link(0)
+
+    def relink(self, member: int, incarnation: int) -> None:
+        """FFN rank: a restarted member's fresh link replaces its failed one (the member
+        is connecting its side now)."""
+        old = self._links.get(member)
+        self._links[member] = self._link(member, incarnation)
+        if old is not None:
+            self._abort_link(old)
+        try:
+            self._check_link(member)
+        except TransportError:
+            self._abort_link(self._links[member])
+            raise
+
+    def join_link(self, incarnation: int) -> None:
+        """A restarted attention member joins a running group: its link only, no waiting
+        for the other members (they are serving)."""
+        self._links = {0: self._link(self.group_rank, incarnation)}
+        self._check_link(0)
+
+    def _ctrl_of(self, peer: int) -> tuple:
+        if not self.per_member_links:
+            return super()._ctrl_of(peer)
+        link = self._links[peer]
+        return link.ctrl, link.remote
+
+    def _close_links(self) -> None:
+        for link in self._links.values():
+            self._abort_link(link)
+        self._links = {}
