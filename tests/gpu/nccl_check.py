@@ -26,13 +26,19 @@ and the rest run in a fresh one):
                      as a lazily loaded kernel or a cudaMalloc may) inside eager m = 1 steps
   i capture_failure  a capture that fails on the attention side at layer 0, then at the last
                      layer: that step fails, nothing moved, the next steps are right
+  j bucket_graphs    the FFN rank also captures each layer at padded row counts; steps no
+                     whole-step graph matches replay them, equal to the reference
+  k peer_restart     the attention ranks as two servers: rank 1's process exits in the middle
+                     of a step; the FFN rank drops it (its link alone), rank 0's steps stay
+                     right throughout, and a new rank-1 process rejoins and is served
   plus the exchange latency per layer (eager and replayed, timed with CUDA events) against
   a raw NCCL ping-pong of the same message on the same communicators, measured in the same
   run. Three processes share the one GPU (time-sliced, socket transport): the latencies are
   a smoke test, not what two GPUs would show.
 
 Run: python tests/gpu/nccl_check.py [--out report.json]; `--cpu` runs the scenarios that
-need no CUDA graph (a, b, e, g, h) over the CPU stand-ins of tests/afd_core/nccl_standin.py
+need no CUDA graph (a, b, e, g, h, j with a stand-in for its graphs, k) over the CPU
+stand-ins of tests/afd_core/nccl_standin.py
 (what the suite does, to keep this script working). Exit status 0 when all passed.
 """
 
@@ -75,6 +81,8 @@ SCENARIOS = {
     "g_kill_ffn": "FFN process killed during replays",
     "h_device_sync": "a device-wide synchronize inside the FFN's step",
     "i_capture_failure": "a failed capture at layer 0 and at the last layer",
+    "j_bucket_graphs": "layer graphs at padded row counts for uncaptured steps",
+    "k_peer_restart": "an attention server crashes mid-step, its restart rejoins",
 }
 NEEDS_GRAPHS = {"c_capture_replay", "d_recapture", "f_dbo_capture", "i_capture_failure"}
 SYNC_ROWS = 7  # h: the FFN synchronizes the device in eager steps of 2 x 7 rows
@@ -303,6 +311,21 @@ def ffn_main(kind, port, timeout_s, scenarios, q):
                 syncs.append(layer)
             return env.ffn_compute(layer, h, logits, ids)
 
+        if "j_bucket_graphs" in scenarios:  # layer graphs at padded row counts
+            from afd_core.step.ffn_buckets import FFNBucketGraphs, bucket_ladder
+
+            if kind == "cuda":
+                backend = CudaGraphBackend()
+            else:  # the compute run again at replay, as a CUDA graph of it would
+                from tests.afd_core.nccl_standin import RerunGraphBackend
+
+                backend = RerunGraphBackend()
+                cache = FFNGraphCache(backend)
+            ladder = bucket_ladder(ATTENTION_RANKS * MAX_TOKENS)
+            top = env.torch.zeros(ladder[-1], HIDDEN, device=env.device)
+            cache.buckets = FFNBucketGraphs(backend, ladder)
+            with env.torch.inference_mode():
+                cache.buckets.capture(list(range(LAYERS)), env.ffn_compute, (top, None, None))
         server = FFNStepServer(conn, list(range(LAYERS)), compute, graphs=cache)
         recv = conn.recv_control
 
@@ -326,9 +349,16 @@ def ffn_main(kind, port, timeout_s, scenarios, q):
             {
                 "steps": server.steps,
                 "failed_steps": server.failed_steps,
-                "graphs": cache.stats.as_dict() if cache else None,
+                "graphs": cache.stats.as_dict() if cache is not None else None,
                 "log": log,
                 "device_syncs": len(syncs),
+                "buckets": (
+                    cache.buckets.stats.as_dict()
+                    if cache is not None and cache.buckets is not None
+                    else None
+                ),
+                "lost": conn.peers_lost,
+                "rejoined": conn.peers_rejoined,
                 "stopped": stopped,
             },
         )
@@ -571,6 +601,19 @@ class Attention:
             errors.append(self.env.error(out, x))
         return {"ok": max(errors) < TOL, "steps": len(errors), "max_rel_error": max(errors)}
 
+    # j
+    def j_bucket_graphs(self):
+        """Steps whose rows no whole-step graph matches (nobody captured them): the FFN
+        rank replays each layer's graph at the bucket that holds the rows, padded; the
+        outputs equal the reference."""
+        plans = {0: [(5,), (3, 6), (1,)], 1: [(10,), (7, 2), (12,)]}[self.rank]
+        errors = []
+        for rows in plans:
+            xs = [self.x(n) for n in rows]
+            outs = self.step(rows, [lambda x=x: self.env.model(x) for x in xs])
+            errors += [self.env.error(o, x) for o, x in zip(outs, xs, strict=True)]
+        return {"ok": max(errors) < TOL, "steps": plans, "max_rel_error": max(errors)}
+
     # i
     def i_capture_failure(self):
         """A capture that fails on the attention side (layer 0, then the last layer): the
@@ -643,6 +686,119 @@ def attention_main(kind, rank, port, timeout_s, scenarios, q):
     except Exception:  # noqa: BLE001
         _put(q, "attention", rank, "error", {"ok": False, "error": traceback.format_exc()[-4000:]})
     _finish(q)
+
+
+# -- k: an attention server lost and restarted ------------------------------------------------
+
+RESTART_STEPS = 5  # steps the restarted rank-1 process must be served
+
+
+def restart_attention(kind, rank, port, timeout_s, marks, role, q):
+    """k. Each attention rank a server of its own. role "steady" (rank 0): steps until the
+    restarted rank 1 was served (marks/again-done); "first" (rank 1): exits in the middle
+    of its 4th step, layer 1's rows sent; "again" (rank 1): once the first is gone, joins
+    the running deployment and runs RESTART_STEPS steps."""
+    try:
+        env = Env(kind, f"attn{rank}-{role}", timeout_s)
+        from afd_core.exchange import ffn_exchange_op
+        from afd_core.runtime import install_connector
+
+        marks = Path(marks)
+        if role == "again":
+            deadline = time.monotonic() + SCENARIO_S
+            while not (marks / "first-gone").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        conn = env.connector("attention", rank, port)
+        conn.steps_with = rank  # a server of its own: it steps on its own
+        t0 = time.monotonic()
+        conn.init()
+        joined_s = time.monotonic() - t0
+        install_connector(conn)
+        side = Attention(env, conn, rank, q)
+        errors = []
+
+        def one(step):
+            x = side.x(4)
+            if role == "first" and step == 3:
+
+                def crash():
+                    op = ffn_exchange_op()
+                    op(x @ env.w_attn[0], 0, None, None)  # layer 0 exchanged
+                    conn.start_exchange(x @ env.w_attn[1], 1, 0)  # layer 1's rows sent
+                    env.sync()
+                    (marks / "first-gone").touch()
+                    os._exit(3)  # a crash: no goodbye, a step half done
+
+                side.step((4,), [crash])
+            out = side.step((4,), [lambda: env.model(x)])[0]
+            errors.append(env.error(out, x))
+
+        if role == "steady":
+            deadline = time.monotonic() + 2 * SCENARIO_S
+            while not (marks / "again-done").exists() and time.monotonic() < deadline:
+                one(len(errors))
+                time.sleep(0.01)
+        else:
+            for step in range(RESTART_STEPS):
+                one(step)
+            if role == "again":
+                (marks / "again-done").touch()
+        side.driver.close()
+        conn.close()
+        ok = bool(errors) and max(errors) < TOL
+        _put(q, "attention", rank, f"k-{role}", {"ok": ok, "steps": len(errors),
+             "max_rel_error": max(errors, default=0.0), "joined_s": round(joined_s, 2)})  # fmt: skip
+    except Exception:  # noqa: BLE001
+        (Path(marks) / "again-done").touch()
+        _put(
+            q,
+            "attention",
+            rank,
+            f"k-{role}",
+            {"ok": False, "error": traceback.format_exc()[-3000:]},
+        )
+    _finish(q)
+
+
+def run_restart_session(kind, timeout_s, log) -> tuple[dict, dict]:
+    """k: (the scenario's result, the FFN rank's report)."""
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    marks = tempfile.mkdtemp(prefix="afd-k-")
+    procs = [ctx.Process(target=ffn_main, args=(kind, port, timeout_s, [], q))]
+    for rank, role in ((0, "steady"), (1, "first"), (1, "again")):
+        args = (kind, rank, port, timeout_s, marks, role, q)
+        procs.append(ctx.Process(target=restart_attention, args=args))
+    for p in procs:
+        p.start()
+    got, ffn = {}, {}
+    deadline = time.monotonic() + 2 * SCENARIO_S + 60
+    while len(got) < 2 or not ffn:  # steady and again report; the first never does
+        try:
+            role, _, name, body = q.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue.Empty:
+            got.setdefault("error", f"no answer within {2 * SCENARIO_S:.0f}s: a hang")
+            break
+        if role == "ffn":
+            ffn = body
+        else:
+            got[name] = body
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    steady, again = got.get("k-steady", {}), got.get("k-again", {})
+    ok = bool(steady.get("ok") and again.get("ok")) and ffn.get("stopped") is None
+    ok = ok and ffn.get("lost") == [1] and ffn.get("rejoined") == [1]  # attention rank 1
+    result = {"ok": ok, "attention0": steady, "attention1": again}
+    if "error" in got:
+        result["error"] = got["error"]
+    log(f"  k_peer_restart: restarted rank served {again.get('steps')} steps, joined in "
+        f"{again.get('joined_s')} s")  # fmt: skip
+    return result, ffn
 
 
 # -- the parent ---------------------------------------------------------------------------
@@ -776,9 +932,11 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     results: dict = {}
     ffn_reports = []
-    # g kills its FFN process: a session of its own, last
-    queue_ = [s for s in wanted if s != "g_kill_ffn"]
-    sessions = [queue_] + ([["g_kill_ffn"]] if "g_kill_ffn" in wanted else [])
+    # g kills its FFN process: a session of its own, last; j (an FFN rank with layer
+    # graphs) and k (its own deployment) before
+    alone = ("g_kill_ffn", "j_bucket_graphs", "k_peer_restart")
+    queue_ = [s for s in wanted if s not in alone]
+    sessions = [queue_] + [[s] for s in ("j_bucket_graphs", "g_kill_ffn") if s in wanted]
     pingpong = None
     for session in sessions:
         todo = list(session)
@@ -797,6 +955,11 @@ def main(argv=None) -> int:
             results |= got
             if not got and todo:
                 break
+    if "k_peer_restart" in wanted:
+        results["k_peer_restart"], ffn_k = run_restart_session(kind, 10.0, log)
+        results["k_peer_restart"]["ffn"] = {
+            k: ffn_k.get(k) for k in ("steps", "stopped", "lost", "rejoined")
+        }
     ffn_last = [f for f in ffn_reports if f]
     report["ffn"] = ffn_last
     report["processes_on_gpu"] = PROCESSES_ON_GPU if kind == "cuda" else None
@@ -818,6 +981,11 @@ def main(argv=None) -> int:
                     f"the FFN replayed {replays} steps (c alone needs {REPLAYS + TIMED_STEPS}) "
                     f"and ran its CAPTURE steps as {report['ffn_capture_steps']}"
                 )
+    j = results.get("j_bucket_graphs")
+    if j is not None and j.get("ok"):
+        replayed = sum((f.get("buckets") or {}).get("replayed", 0) for f in ffn_last)
+        j["ffn_bucket_replays"] = replayed
+        j["ok"] = replayed == 4 * LAYERS  # every layer of the 4 micro-batches (3 steps)
     h = results.get("h_device_sync")
     if h is not None and h.get("ok"):
         syncs = sum(f.get("device_syncs", 0) for f in ffn_last)

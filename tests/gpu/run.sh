@@ -9,7 +9,8 @@
 # pydantic-core, annotated-types, typing-inspection, typing-extensions at uv.lock's
 # versions, built for CPython 3.12, the device machine's Python) and carry `.whl` (it is
 # git-ignored; ~3 MB). A Python other than 3.12 needs wheels.sh's --python-version changed.
-# Give the device call a timeout of at least 500 s: a hang costs each bounded step.
+# Give the device call a timeout of at least 540 s (330 + 150 + the wheels): a hang costs
+# each bounded step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_FILE=${NCCL_DEBUG_FILE:-$OUT/nccl/%h.%p.log}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 echo "== tests/gpu/nccl_check.py"
-timeout 300 python3 tests/gpu/nccl_check.py --out "$OUT/nccl_check.json" 2>&1 | tee "$OUT/nccl_check.log"
+timeout 330 python3 tests/gpu/nccl_check.py --out "$OUT/nccl_check.json" 2>&1 | tee "$OUT/nccl_check.log"
 nccl_rc=${PIPESTATUS[0]}
 echo "== tests/gpu/check.py"
 unset NCCL_DEBUG_FILE

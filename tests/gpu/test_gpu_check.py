@@ -73,8 +73,9 @@ def test_nccl_check_runs_its_scenarios_over_the_cpu_stand_ins(tmp_path):
     (issue-ordered channel, first operations blocking the host as NCCL's lazy connection
     does), vLLM blocked in every process: the first step, m = 2 with zero rows, a failure
     at layer 0 with rows (4, 3) (abort_step must walk layer-major), a device-wide
-    synchronize inside the FFN's eager m = 1 steps (the stand-in's), and the FFN process
-    killed mid-run (both attention ranks end with a named error); one line each."""
+    synchronize inside the FFN's eager m = 1 steps (the stand-in's), the FFN process
+    killed mid-run (both attention ranks end with a named error), and an attention server
+    crashing mid-step whose restart rejoins while the other is served; one line each."""
     import json
     import os
 
@@ -90,14 +91,19 @@ def test_nccl_check_runs_its_scenarios_over_the_cpu_stand_ins(tmp_path):
         env=env,
     )
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
-    for name in ("a_first_eager", "b_microbatches", "e_failure", "g_kill_ffn", "h_device_sync"):
+    passing = ("a_first_eager", "b_microbatches", "e_failure", "g_kill_ffn", "h_device_sync")
+    for name in (*passing, "j_bucket_graphs", "k_peer_restart"):
         assert f"PASS {name}:" in out.stdout, out.stdout
     for name in ("c_capture_replay", "d_recapture", "f_dbo_capture", "i_capture_failure"):
         assert f"SKIP {name}: needs CUDA graphs" in out.stdout
-    assert "5 passed, 0 failed, 4 skipped" in out.stdout
+    assert "7 passed, 0 failed, 4 skipped" in out.stdout
     r = json.loads(report.read_text())["scenarios"]
     assert "injected attention failure" in r["e_failure"]["attention0"]["step_failed"]
     assert r["e_failure"]["attention1"]["step_failed"] is None  # the other rank's step is fine
     for rank in (0, 1):
         assert "FFN rank 0" in r["g_kill_ffn"][f"attention{rank}"]["error"]
     assert r["h_device_sync"]["ffn_device_syncs"] >= 12  # 3 steps x 4 layers
+    assert r["j_bucket_graphs"]["ffn_bucket_replays"] == 16  # 4 micro-batches x 4 layers
+    k = r["k_peer_restart"]
+    assert k["ffn"]["lost"] == [1] and k["ffn"]["rejoined"] == [1], k
+    assert k["attention1"]["steps"] == 5 and k["attention0"]["steps"] >= 5, k
