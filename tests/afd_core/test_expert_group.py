@@ -49,14 +49,18 @@ def test_members_at_different_steps_stop_naming_both():
 class _QueueTransport:
     """Control messages between threads: member r's sends to s land in boxes[(r, s)]."""
 
+    timeout_s, connect_timeout_s = 7.0, 11.0
+
     def __init__(self, rank: int, boxes):
         self.rank, self.boxes = rank, boxes
+        self.bounds: list = []  # bound_s of each control receive
 
     def isend_control(self, tensor, peer):
         self.boxes[(self.rank, peer)].put(tensor.clone())
         return Completed()
 
-    def irecv_control(self, tensor, peer):
+    def irecv_control(self, tensor, peer, bound_s=None):
+        self.bounds.append(bound_s)
         box = self.boxes[(peer, self.rank)]
 
         class _Recv:
@@ -85,6 +89,21 @@ def _run_members(size: int, work) -> list:
     for t in threads:
         t.join(20)
     return out
+
+
+@needs_torch
+def test_agree_waits_a_step_and_the_start_up_check_the_connect_bound():
+    """Review M8: the group's control receives waited up to 30 days (the idle bound): a
+    member that hung or stuck in vLLM's MoE collective held the others for good. The
+    start-up check waits the connect bound, each step's agreement the step timeout."""
+
+    def work(group):
+        group.check_peers([0])
+        group.agree(_plan(0, [1]))
+        return group.transport.bounds
+
+    for bounds in _run_members(2, work):
+        assert bounds == [11.0, 7.0], bounds
 
 
 def _plan(step, rows_per_mb):

@@ -389,12 +389,12 @@ class StoreTransport(Transport):
             "control send",
         )
 
-    def irecv_control(self, tensor, peer: int) -> Handle:
+    def irecv_control(self, tensor, peer: int, bound_s: float | None = None) -> Handle:
         # an idle deployment waits this long for the next step, whatever the group's timeout
         return self._handle(
             lambda: _op(self._ctrl_of(peer), "recv", tensor, CONTROL_TAG),
             "control receive",
-            bound_s=CONTROL_TIMEOUT.total_seconds(),
+            bound_s=CONTROL_TIMEOUT.total_seconds() if bound_s is None else bound_s,
         )
 
     def isend_status(self, tensor, peer: int) -> Handle:

@@ -88,8 +88,11 @@ class Transport(ABC):
     def isend_control(self, tensor: torch.Tensor, peer: int) -> Handle: ...
 
     @abstractmethod
-    def irecv_control(self, tensor: torch.Tensor, peer: int) -> Handle:
-        """Receive a control message; may wait as long as the peer stays idle."""
+    def irecv_control(
+        self, tensor: torch.Tensor, peer: int, bound_s: float | None = None
+    ) -> Handle:
+        """Receive a control message; without `bound_s` it may wait as long as the peer
+        stays idle (an FFN rank's next step, a TP follower's next command)."""
 
     # The step's status (and an abort) travel on the control channel, not the data channel:
     # a device data channel (NCCL, HCCL) matches operations in issue order, and the status

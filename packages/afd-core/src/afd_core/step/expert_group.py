@@ -83,13 +83,17 @@ class ExpertGroup:
     def ffn_rank(self) -> int:
         return self.first_ffn_rank + self.rank
 
-    def _all_gather(self, words: list[int]) -> list[list[int]]:
+    def _all_gather(self, words: list[int], bound_s: float) -> list[list[int]]:
+        """Every member's words; a member silent for `bound_s` (hung, or stuck in vLLM's
+        MoE collective) fails the group naming it, instead of holding it for 30 days."""
         import torch
 
         mine = torch.tensor(words, dtype=torch.int64)
         theirs = {r: torch.zeros_like(mine) for r in range(self.size) if r != self.rank}
         try:
-            handles = [self.transport.irecv_control(buf, r) for r, buf in theirs.items()]
+            handles = [
+                self.transport.irecv_control(buf, r, bound_s=bound_s) for r, buf in theirs.items()
+            ]
             handles += [self.transport.isend_control(mine, r) for r in theirs]
             for h in handles:
                 h.wait()
@@ -104,8 +108,11 @@ class ExpertGroup:
     def check_peers(self, peer_servers: list[int]) -> None:
         """Start-up: every member's attention peers are ranks of one attention server (which
         steps in lockstep); AFDPeerError naming the servers otherwise."""
-        # the lowest and highest server among this member's peers
-        vectors = self._all_gather([min(peer_servers), max(peer_servers)])
+        # the lowest and highest server among this member's peers; members finish loading
+        # at different times: the connect bound
+        vectors = self._all_gather(
+            [min(peer_servers), max(peer_servers)], self.transport.connect_timeout_s
+        )
         servers = sorted({s for lo, hi in vectors for s in (lo, hi)})
         if len(servers) > 1:
             raise AFDPeerError(
@@ -124,7 +131,11 @@ class ExpertGroup:
         """This step's micro-batches and every member's rows in each."""
         totals = [sum(rows) for rows in plan.rows]
         words = [self.steps, len(totals), *totals, *[0] * (MAX_MICROBATCHES - len(totals))]
-        agreed = agree(self.steps, self._all_gather(words), self.first_ffn_rank)
+        # the members' attention peers are one server's ranks, stepping together: the
+        # others' words come within a step's bound
+        agreed = agree(
+            self.steps, self._all_gather(words, self.transport.timeout_s), self.first_ffn_rank
+        )
         self.steps += 1
         self.zero_row_microbatches += sum(
             1 for rows in agreed.rows if sum(rows) for n in rows if n == 0
