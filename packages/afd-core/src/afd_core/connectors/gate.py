@@ -21,6 +21,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 
 from afd_core import envs
 from afd_core.connectors.rendezvous import listening_socket
@@ -159,22 +160,72 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
                 pass
 
 
+MAX_HANDSHAKES = 32  # handshakes in progress at once; more connections are closed at once
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (out of descriptors): first, most
+
+
 class _Acceptor:
-    """Accept on a listening socket in a daemon thread; each connection in its own."""
+    """Accept on a listening socket in a daemon thread; each connection in its own.
+
+    Strangers cannot stop it: a failed accept (out of file descriptors) or a thread that
+    cannot start backs off and accepts again, and at most MAX_HANDSHAKES connections are
+    in their handshake at once (each may take HANDSHAKE_S): more are closed at once and
+    counted in `refused`. Until it is closed, the door stays open to members."""
 
     def __init__(self, listener: socket.socket, serve, name: str):
         self._listener = listener
         self._serve = serve
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.refused = 0  # connections closed without a handshake, or that failed it
+        self._last_warning = 0.0
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
+        backoff = ACCEPT_BACKOFF_S[0]
         while not self._closed:
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._warn(f"accept failed ({exc}); accepting again in {backoff:.2f}s")
+                time.sleep(backoff)
+                backoff = min(2 * backoff, ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = ACCEPT_BACKOFF_S[0]
+            if not self._handshakes.acquire(blocking=False):
+                self.refused += 1
+                self._warn(f"closed a connection from {_host(peer)}: too many handshakes")
+                _close(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve_counted, args=(conn, peer), daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had
+                self._handshakes.release()
+                _close(conn)
+                self._warn(f"closed a connection from {_host(peer)}: {exc}")
+                time.sleep(backoff)
+
+    def _serve_counted(self, conn: socket.socket, peer) -> None:
+        released = threading.Event()
+
+        def handshake_over() -> None:
+            if not released.is_set():
+                released.set()
+                self._handshakes.release()
+
+        try:
+            self._serve(conn, peer, handshake_over)
+        finally:
+            handshake_over()
+
+    def _warn(self, what: str) -> None:
+        """One log line a second at most: a scan must not flood the log."""
+        now = time.monotonic()
+        if now - self._last_warning >= 1.0:
+            self._last_warning = now
+            logger.warning("AFD rendezvous door: %s (%d refused so far)", what, self.refused)
 
     def close(self) -> None:
         self._closed = True
@@ -191,16 +242,14 @@ class Gate(_Acceptor):
 
     def __init__(self, listener: socket.socket, store_port: int, secret: bytes):
         self._store_port, self._secret = store_port, secret
-        self.refused = 0  # connections that did not prove the secret
         super().__init__(listener, self._serve_one, "afd-rendezvous-gate")
 
-    def _serve_one(self, conn: socket.socket, peer) -> None:
-        if not _server_handshake(conn, self._secret):
+    def _serve_one(self, conn: socket.socket, peer, handshake_over) -> None:
+        proven = _server_handshake(conn, self._secret)
+        handshake_over()
+        if not proven:
             self.refused += 1
-            logger.warning(
-                "AFD rendezvous: refused a connection from %s: no valid deployment secret",
-                peer[0] if isinstance(peer, tuple) else peer,
-            )
+            self._warn(f"refused a connection from {_host(peer)}: no valid deployment secret")
             conn.close()
             return
         try:
@@ -227,14 +276,27 @@ class Forwarder(_Acceptor):
         with connect_to(*self._target, timeout=timeout_s) as sock:
             client_handshake(sock, self._secret, f"{self._target[0]}:{self._target[1]}")
 
-    def _serve_one(self, conn: socket.socket, peer) -> None:
+    def _serve_one(self, conn: socket.socket, peer, handshake_over) -> None:
         try:
             remote = connect_to(*self._target, timeout=HANDSHAKE_S)
             client_handshake(remote, self._secret, f"{self._target[0]}:{self._target[1]}")
         except (OSError, GateError):
             conn.close()
             return
+        finally:
+            handshake_over()
         _relay(conn, remote)
+
+
+def _host(peer) -> str:
+    return peer[0] if isinstance(peer, tuple) else str(peer)
+
+
+def _close(conn: socket.socket) -> None:
+    try:
+        conn.close()
+    except OSError:
+        pass
 
 
 def gate_greets(host: str, port: int, timeout_s: float = 0.5) -> bool:
