@@ -118,8 +118,10 @@ def restarted_server(port, marks, misfit_first, q):
         from afd_core.connectors.base import AFDPeerError
 
         wait_for(marks / "first-gone", WAIT_S)
+        if misfit_first == "after-junk":
+            wait_for(marks / "junk-done", WAIT_S)
         refused = None
-        if misfit_first:
+        if misfit_first is True:
             bad = make(
                 "attention", 1, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=1,
                 hidden=2 * HIDDEN,
@@ -145,7 +147,32 @@ def restarted_server(port, marks, misfit_first, q):
         q.put(("again", "ERROR " + traceback.format_exc()))
 
 
-def _run(tmp_path, die_at, misfit_first=False):
+def junk_rejoin(port, marks, q):
+    """Once server 1 left: a rejoin request for its place whose hello is not JSON, written
+    straight into the store (a bug, or anyone who reaches a store without a secret); then
+    the FFN rank's verdict on it."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        wait_for(marks / "first-gone", WAIT_S)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=20))
+        incarnation = store.add("afd/g0/link2/incarnation", 1)
+        store.set(f"afd/g0/hello/2/{incarnation}", b"{not json")
+        number = store.add("afd/g0/rejoin/count", 1)
+        request = {"member": 2, "incarnation": incarnation}
+        store.set(f"afd/g0/rejoin/{number}", json.dumps(request).encode())
+        verdict = store.get(f"afd/g0/verdict/2/{incarnation}").decode()
+        q.put(("junk", verdict))
+    except Exception:
+        q.put(("junk", "ERROR " + traceback.format_exc()))
+    finally:
+        (marks / "junk-done").touch()
+
+
+def _run(tmp_path, die_at, misfit_first=False, junk_first=False):
     port = free_port()
     targets = [
         (ffn, port),
@@ -153,8 +180,11 @@ def _run(tmp_path, die_at, misfit_first=False):
         (first_server, die_at, port, tmp_path),
         (restarted_server, port, tmp_path, misfit_first),
     ]
+    if junk_first:
+        targets.append((junk_rejoin, port, tmp_path))
     # a crashed first process reports nothing
-    out = run_processes(targets, timeout=120, expect=4 if die_at[0] == "leave" else 3)
+    expect = (4 if die_at[0] == "leave" else 3) + junk_first
+    out = run_processes(targets, timeout=120, expect=expect)
     assert_no_errors(out)
     return out
 
@@ -186,4 +216,15 @@ def test_after_a_goodbye_the_restart_rejoins_and_a_misfit_restart_is_refused_alo
     assert out[0]["wrong"] == 0
     assert out["again"]["outcome"] == [True] * STEPS
     # nothing written to afd/failed after the deployment formed; nobody counted as lost
+    assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+
+
+def test_a_malformed_rejoin_hello_is_refused_and_the_ffn_rank_serves_on(tmp_path):
+    """Issue 36 (review M3): a rejoin request whose hello is not JSON raised in the FFN
+    rank's serving thread and stopped it for every server. It is refused with the reason;
+    the other server is served throughout and the real restart rejoins."""
+    out = _run(tmp_path, ("leave", 3), misfit_first="after-junk", junk_first=True)
+    assert out["junk"] == "the rejoin hello is not a JSON object", out["junk"]
+    assert out[0]["wrong"] == 0
+    assert out["again"]["outcome"] == [True] * STEPS
     assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}

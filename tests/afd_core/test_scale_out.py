@@ -76,6 +76,28 @@ def test_ranks_that_disagree_on_the_deployment_fail_every_rank_naming_the_field(
         assert "4" in text and "2" in text, text
 
 
+def older_release_init_main(index, role, rank, a, f, port, q):
+    """A rank of a release that speaks wire format 2."""
+    import afd_core.connectors.membership as membership
+
+    membership.CONTROL_VERSION = 2
+    init_main(index, role, rank, a, f, port, q)
+
+
+def test_a_rank_of_another_protocol_version_is_named_at_start_up():
+    """Issue 36 (review M3): the wire format's version was in neither hello nor shape, so
+    a server of another release got in and its first control message stopped the FFN rank
+    for everyone. Now start-up names the field on every rank (and a rejoin is refused
+    with the same check)."""
+    port = free_port()
+    results = run_processes(
+        [(init_main, 0, "ffn", 0, 2, 1, port), (init_main, 1, "attention", 0, 2, 1, port)]
+        + [(older_release_init_main, 2, "attention", 1, 2, 1, port)]
+    )
+    for text, _ in results.values():
+        assert "AFD handshake failed" in text and "protocol_version=" in text, text
+
+
 def job(conn, rank, step, mb, n, router_width=0, token_ids=False):
     """One micro-batch of attention rank `rank`: every layer exchanged, DBO yield between
     (router logits derived from the rows and token ids travel with them when asked)."""

@@ -17,6 +17,7 @@ import time
 from afd_core.connectors.base import (
     AFDPeerError,
 )
+from afd_core.connectors.control import VERSION as CONTROL_VERSION
 from afd_core.connectors.transport import Transport, TransportError
 from afd_core.log import get_logger
 
@@ -130,6 +131,9 @@ class StartupMembership:
     def _deployment_shape(self) -> dict:
         """What every rank of the deployment, in every group, must agree on."""
         return {
+            # a rank of another wire format would stop its FFN rank at its first control
+            # message: named here, at start-up or at its rejoin, instead
+            "protocol_version": CONTROL_VERSION,
             "connector": self.config.connector,
             "num_attention_ranks": self.config.num_attention_ranks,
             "num_ffn_ranks": self.config.num_ffn_ranks,

@@ -119,7 +119,9 @@ class Rejoining:
                 theirs = json.loads(t.store_get(hello_key, REQUEST_WAIT_S))
             except TransportError:
                 return  # the restarted process went before it said hello
-            problems = self._hello_problems(i, theirs, self._hello())
+            except ValueError:
+                theirs = None
+            problems = _malformed_hello(theirs) or self._hello_problems(i, theirs, self._hello())
             verdict = "; ".join(problems) if problems else "ok"
         key = f"afd/g{self.group}/verdict/{member}/{request.incarnation}"
         t.store_set(key, verdict.encode())
@@ -147,6 +149,14 @@ class Rejoining:
             self._transport.store_add(claim_key("attention", self.peers[i]), -1)
         except Exception:  # noqa: BLE001 - the store may be gone: nobody can rejoin then
             logger.debug("AFD %s: claim of peer %d not released", self._me(), i)
+
+
+def _malformed_hello(theirs) -> list[str]:
+    """What makes a rejoin hello unreadable (it is refused, the FFN rank serves on)."""
+    if not isinstance(theirs, dict):
+        return ["the rejoin hello is not a JSON object"]
+    bad = [k for k in ("max_tokens", "server") if not isinstance(theirs.get(k, 0), int | None)]
+    return [f"the rejoin hello's {k}={theirs[k]!r} is not an integer" for k in bad]
 
 
 class RejoinWatch:
