@@ -46,6 +46,9 @@ class RecordingTransport:
     def watch_device_work(self, what):
         self.watched.append(what)
 
+    def drop_member(self, member):
+        self.dropped = [*getattr(self, "dropped", []), member]
+
 
 def connector(role, a=1, wire=None):
     from tests.afd_core.nccl_standin import HostRuntime

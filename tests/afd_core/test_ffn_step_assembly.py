@@ -91,6 +91,14 @@ def test_a_listener_that_fails_with_anything_reports_it_as_its_peers_failure():
     i, error = inbox.get(timeout_s=5)
     assert i == 0 and isinstance(error, TransportError)
     assert "control listener failed: ValueError('bad buffer')" in str(error)
+    # a connector whose channels span the group stops
     conn = ffn_of([0], [(0, error)])
+    conn.survives_peer_loss = False
     with pytest.raises(AFDPeerError, match="attention rank 0: control listener failed"):
         conn.recv_control()
+    # one whose peers have links of their own (gloo, and NCCL's per-peer communicator
+    # pairs) drops that peer, aborts its link, and waits for the others
+    conn = ffn_of([0], [(0, error)])
+    with pytest.raises(AssertionError, match="would block forever"):  # the fake inbox
+        conn.recv_control()
+    assert conn.peers_lost == [0] and conn._transport.dropped == [1]
