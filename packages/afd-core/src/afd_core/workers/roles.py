@@ -295,24 +295,11 @@ class FFNRole(_Role):
             getattr(self.vllm_config.compilation_config, "cudagraph_capture_sizes", None) or (),
             len(self.connector.peers),
         )
-        dtype, device = getattr(torch, wire.dtype), self.connector.device
         t0 = time.monotonic()
         with torch.inference_mode(), self.forward_context():
             for rows in sizes:
-                hidden = torch.zeros(rows, wire.hidden_size, dtype=dtype, device=device)
-                logits = (
-                    torch.zeros(
-                        rows,
-                        wire.router_width,
-                        dtype=getattr(torch, wire.router_dtype),
-                        device=device,
-                    )
-                    if wire.router_width
-                    else None
-                )
-                ids = (
-                    torch.zeros(rows, dtype=torch.int64, device=device) if wire.token_ids else None
-                )
+                # what one micro-batch carries on the wire, as the receive buffers hold it
+                hidden, logits, ids = self.connector._wire_tensors(rows, torch.zeros)
                 if self.dp_size > 1:
                     self._set_group_rows(rows, (rows,) * self.dp_size)
                 for layer in self.model.ffn_layer_indices():
@@ -346,17 +333,8 @@ class FFNRole(_Role):
         )
         if not ladder:
             return 0
-        dtype, device = getattr(torch, wire.dtype), self.connector.device
         top = ladder[-1]
-        inputs = (
-            torch.zeros(top, wire.hidden_size, dtype=dtype, device=device),
-            torch.zeros(
-                top, wire.router_width, dtype=getattr(torch, wire.router_dtype), device=device
-            )
-            if wire.router_width
-            else None,
-            torch.zeros(top, dtype=torch.int64, device=device) if wire.token_ids else None,
-        )
+        inputs = self.connector._wire_tensors(top, torch.zeros)  # static, as on the wire
         buckets = FFNBucketGraphs(graphs.backend, ladder)
         t0 = time.monotonic()
 
