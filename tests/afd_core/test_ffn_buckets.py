@@ -43,6 +43,7 @@ def _buckets(max_rows=64, ratio=1.5):
     return buckets, calls, inputs
 
 
+@pytest.mark.vllm  # needs torch
 def test_a_layer_replays_the_smallest_bucket_that_holds_it_padding_zeroed():
     import torch
 
@@ -63,6 +64,7 @@ def test_a_layer_replays_the_smallest_bucket_that_holds_it_padding_zeroed():
     }
 
 
+@pytest.mark.vllm  # needs torch
 def test_no_rows_too_many_rows_or_too_much_padding_run_eagerly():
     import torch
 
