@@ -41,7 +41,7 @@ def run_load(url: str, measured: list[str], tokens: int, background: list[str]) 
     """Requests `measured` on DP rank (load: rank 0 or 1), while `background` prompts run
     one after another on the other rank until the measured ones end. Returns (seconds of
     each measured request, wall seconds)."""
-    from afd_plugin.launcher import complete
+    from afd_plugin.deploy.servers import complete
 
     rank = 1 if background else 0
     seconds: list[float] = [0.0] * len(measured)
@@ -85,7 +85,7 @@ def measure(url: str, batch: int, tokens: int, uneven: bool) -> tuple[float, flo
 
 def main() -> int:
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
-    from afd_plugin.launcher import local_deployment, running
+    from afd_plugin.deploy.servers import local_deployment, running
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -113,7 +113,7 @@ def main() -> int:
     with running(servers, timeout=900):
         for d in deployments.values():  # warm up both ranks
             for rank in (0, 1):
-                from afd_plugin.launcher import complete
+                from afd_plugin.deploy.servers import complete
 
                 complete(d["attention"].url, PROMPT, 4, data_parallel_rank=rank)
         for _ in range(a.reps):

@@ -27,7 +27,7 @@ SHORT = 8
 
 
 def batch_seconds(url: str, batch: int, tokens: int) -> float:
-    from afd_plugin.launcher import complete_batch
+    from afd_plugin.deploy.servers import complete_batch
 
     return complete_batch(url, [f"{PROMPT} {i}" for i in range(batch)], tokens, stagger=0)[1]
 
@@ -58,7 +58,7 @@ def _dbo_tpot():
 
 def main() -> int:
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
-    from afd_plugin.launcher import collective_rpc, running
+    from afd_plugin.deploy.servers import collective_rpc, running
 
     pinned_pair = _dbo_tpot().pinned_pair  # the same 1A1F pinning as dbo_tpot.py
 

@@ -42,7 +42,7 @@ def decode_step_interval(trace_prefix: str, start: float, end: float) -> float:
 
 def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, float]:
     """(seconds, start, end) to generate `tokens` tokens for a batch of `batch` requests."""
-    from afd_plugin.launcher import complete_batch
+    from afd_plugin.deploy.servers import complete_batch
 
     _, seconds = complete_batch(url, [f"{PROMPT} {i}" for i in range(batch)], tokens, stagger=0)
     end = time.monotonic()
@@ -52,7 +52,7 @@ def batch_seconds(url: str, batch: int, tokens: int) -> tuple[float, float, floa
 def pinned_pair(model: str, logs: Path, common: list[str], ffn_env: dict, att_env: dict):
     """A 1A1F deployment, not started: the FFN server on core 1, the attention server on
     core 0 (DBO-capable, thresholds 4 tokens), one OpenMP thread each. Returns (ffn, att)."""
-    from afd_plugin.launcher import Server, ServerSpec, free_port
+    from afd_plugin.deploy.servers import Server, ServerSpec, free_port
 
     one = {"OMP_NUM_THREADS": "1"}
     afd = {"port": free_port(), "num_attention_ranks": 1, "num_ffn_ranks": 1}
@@ -86,7 +86,7 @@ def pinned_pair(model: str, logs: Path, common: list[str], ffn_env: dict, att_en
 def main() -> int:
 
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
-    from afd_plugin.launcher import Server, ServerSpec, collective_rpc, free_port, running
+    from afd_plugin.deploy.servers import Server, ServerSpec, collective_rpc, free_port, running
 
     spec_ = importlib.util.spec_from_file_location(
         "dbo_overlap", Path(__file__).with_name("dbo_overlap.py")

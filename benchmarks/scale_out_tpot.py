@@ -34,7 +34,7 @@ SHORT = 8
 
 
 def batch_seconds(url: str, batch: int, tokens: int) -> float:
-    from afd_plugin.launcher import complete_batch
+    from afd_plugin.deploy.servers import complete_batch
 
     return complete_batch(url, [f"{PROMPT} {i}" for i in range(batch)], tokens, stagger=0)[1]
 
@@ -49,7 +49,7 @@ def compute_per_layer(trace_prefix: str, start: float) -> float:
 
 def main() -> int:
     from afd_models.tiny import BENCHMARK_MOE, tiny_checkpoint
-    from afd_plugin.launcher import (
+    from afd_plugin.deploy.servers import (
         SHARED_CORES,
         Server,
         ServerSpec,

@@ -27,7 +27,7 @@ PROMPTS = [
 def main() -> int:
     from afd_models.tiny import TinySpec, tiny_checkpoint
     from afd_plugin.demo import BACKENDS, _shape
-    from afd_plugin.launcher import complete, local_deployment, running
+    from afd_plugin.deploy.servers import complete, local_deployment, running
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="deepseek_v2", choices=sorted(BACKENDS))

@@ -197,7 +197,7 @@ def check_command(argv: list[str]) -> str:
             return "afd --version"
         for path in argv[2:]:  # a spec of this repository: it exists and is valid
             if path.startswith("examples/"):
-                from afd_plugin.deploy_spec import load_spec
+                from afd_plugin.deploy.spec import load_spec
 
                 load_spec(REPO / path)
         return f"afd {args.command}"
@@ -279,7 +279,7 @@ def _spec_blocks() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("where, text", _spec_blocks(), ids=lambda v: str(v)[:40])
 def test_every_deployment_spec_in_the_docs_is_valid(where, text):
-    from afd_plugin.deploy_spec import check_spec
+    from afd_plugin.deploy.spec import check_spec
 
     raw = tomllib.loads(text)
     if "servers" in raw or "hosts" in raw:

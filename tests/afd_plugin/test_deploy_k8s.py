@@ -1,4 +1,4 @@
-"""`afd k8s SPEC` (afd_plugin.deploy_k8s): every built-in resource passes Kubernetes' own
+"""`afd k8s SPEC` (afd_plugin.deploy.k8s): every built-in resource passes Kubernetes' own
 schema (kubernetes-validate, strict), the LeaderWorkerSet a schema of its own plus its pod
 templates Kubernetes'; every container runs what `commands()` builds for `afd launch`, with
 only the addresses replaced (expanded here as Kubernetes and sh expand them); the
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from afd_plugin.cli import main
-from afd_plugin.deploy_k8s import (
+from afd_plugin.deploy.k8s import (
     SECRET_PATH,
     SERVE,
     K8sOptions,
@@ -28,7 +28,7 @@ from afd_plugin.deploy_k8s import (
     manifests,
     render,
 )
-from afd_plugin.deploy_spec import SpecError, check_spec, commands
+from afd_plugin.deploy.spec import SpecError, check_spec, commands
 from tests.conftest import REPO
 
 EXAMPLE = REPO / "examples" / "afd-2a1f-three-hosts.toml"

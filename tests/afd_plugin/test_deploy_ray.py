@@ -1,4 +1,4 @@
-"""`afd ray` (afd_plugin.deploy_ray) without a cluster: each process's bundle (its role's
+"""`afd ray` (afd_plugin.deploy.ray_launch) without a cluster: each process's bundle (its role's
 resources, pinned to its host's node), the check that every spec host is a live node, the
 errors before anything is placed, what a server started for an actor does when the actor
 dies, and the vLLM fact behind not using vLLM's own Ray DP backend on CPU. The cluster run
@@ -17,8 +17,8 @@ import time
 import pytest
 
 from afd_plugin.cli import main
-from afd_plugin.deploy_ray import bundle, check_nodes
-from afd_plugin.deploy_spec import SpecError, check_spec, commands
+from afd_plugin.deploy.ray_launch import bundle, check_nodes
+from afd_plugin.deploy.spec import SpecError, check_spec, commands
 from tests.afd_plugin.test_deploy_spec import EXAMPLE, example
 
 
@@ -95,8 +95,8 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from afd_plugin.deploy_ray import _NodeProcess
-    from afd_plugin.deploy_launch import _ProcessSpec
+    from afd_plugin.deploy.ray_launch import _NodeProcess
+    from afd_plugin.deploy.launch import _ProcessSpec
     argv = [sys.executable, "-c", "import time; time.sleep(600)"]
     p = _NodeProcess(_ProcessSpec("child", argv, "127.0.0.1", None), Path(sys.argv[1])).start()
     print(p.proc.pid, flush=True)

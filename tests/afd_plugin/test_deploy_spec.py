@@ -1,4 +1,4 @@
-"""Deployment specs (afd_plugin.deploy_spec) and `afd launch --print`: every bad field is
+"""Deployment specs (afd_plugin.deploy.spec) and `afd launch --print`: every bad field is
 named with its value and what is allowed; ranks, start ranks, the rendezvous and every
 host's `vllm serve` flags follow from the servers (vLLM's multi-node data-parallel flags for
 a server spanning hosts)."""
@@ -13,7 +13,7 @@ import tomllib
 import pytest
 
 from afd_plugin.cli import main
-from afd_plugin.deploy_spec import SpecError, check_spec, commands
+from afd_plugin.deploy.spec import SpecError, check_spec, commands
 from tests.conftest import REPO
 
 EXAMPLE = REPO / "examples" / "afd-2a1f-three-hosts.toml"

@@ -1,5 +1,5 @@
 """How `afd demo`, `afd launch` and the end-to-end tests poll a server's /health while it
-starts (afd_plugin.launcher): nothing listening, an answer, a port the poll must not take."""
+starts (afd_plugin.deploy.servers): nothing listening, an answer, a port the poll must not take."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from afd_plugin.launcher import Server, ServerSpec, free_port
+from afd_plugin.deploy.servers import Server, ServerSpec, free_port
 
 
 def _server(port: int, tmp_path: Path) -> Server:

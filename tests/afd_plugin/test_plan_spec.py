@@ -1,5 +1,5 @@
 """`afd plan --write-spec`: the plan's first shape that AFD can run, as a deployment spec
-that `afd launch` accepts (afd_plugin.plan_spec)."""
+that `afd launch` accepts (afd_plugin.deploy.from_plan)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from afd_plugin.cli import main
-from afd_plugin.deploy_spec import SpecError, check_spec
-from afd_plugin.plan_spec import parse_host, spec_toml, write_spec
+from afd_plugin.deploy.spec import SpecError, check_spec
+from afd_plugin.deploy.from_plan import parse_host, spec_toml, write_spec
 
 HOSTS = [parse_host("g0=10.0.0.1:4"), parse_host("g1=10.0.0.2:4")]
 

@@ -37,13 +37,13 @@ def log_dir(tmp_path_factory) -> Path:
 
 def run_prompts(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
     """One prompt at a time."""
-    from afd_plugin.launcher import complete
+    from afd_plugin.deploy.servers import complete
 
     return [complete(url, p, max_tokens) for p in prompts]
 
 
 def rpc(url: str, method: str, *args: str) -> list:
-    from afd_plugin.launcher import collective_rpc
+    from afd_plugin.deploy.servers import collective_rpc
 
     return collective_rpc(url, method, *args)
 
@@ -70,7 +70,7 @@ def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS
     (settled: the counters stop moving for two publish intervals)."""
     import time
 
-    from afd_plugin.launcher import complete
+    from afd_plugin.deploy.servers import complete
 
     def settled() -> dict:
         last, same = rank_steps(url), 0
@@ -91,7 +91,7 @@ def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS
 def run_batch(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
     """All prompts as one batch in this order (vLLM's CPU path is not batch-invariant: only
     equal batches compare exactly)."""
-    from afd_plugin.launcher import complete_batch
+    from afd_plugin.deploy.servers import complete_batch
 
     return complete_batch(url, list(prompts), max_tokens)[0]
 
@@ -107,7 +107,7 @@ def assert_same(reference, got, prompts=PROMPTS, tol: float = 1e-5):
 def with_reference(arch: str, model: str, log_dir: Path, servers: list) -> list:
     """The servers, plus a colocated one of `arch` if no module of this session has run its
     prompts yet (COLOCATED_ALONE)."""
-    from afd_plugin.launcher import SHARED_CORES, Server, ServerSpec, free_port
+    from afd_plugin.deploy.servers import SHARED_CORES, Server, ServerSpec, free_port
 
     if arch in COLOCATED_ALONE:
         return servers

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_plugin.launcher import Server, ServerSpec, free_port
+from afd_plugin.deploy.servers import Server, ServerSpec, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from afd_plugin.launcher import (
+from afd_plugin.deploy.servers import (
     SHARED_CORES,
     Server,
     ServerError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_plugin.launcher import complete, running, scale_out_deployment
+from afd_plugin.deploy.servers import complete, running, scale_out_deployment
 from tests.e2e.conftest import (
     DEV_MODE,
     MAX_TOKENS,

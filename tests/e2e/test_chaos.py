@@ -28,7 +28,7 @@ from collections import Counter
 
 import pytest
 
-from afd_plugin.launcher import Server, ServerError, complete, running, scale_out_deployment
+from afd_plugin.deploy.servers import Server, ServerError, complete, running, scale_out_deployment
 from tests.e2e.conftest import (
     DEV_MODE,
     MAX_TOKENS,

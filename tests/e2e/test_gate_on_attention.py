@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_plugin.launcher import local_deployment, running
+from afd_plugin.deploy.servers import local_deployment, running
 from tests.e2e.conftest import BACKENDS_MORE, DEV_MODE, assert_same, rpc, run_prompts
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from afd_plugin.launcher import BASE_ENV, SHARED_CORES, Completion, running
+from afd_plugin.deploy.servers import BASE_ENV, SHARED_CORES, Completion, running
 from tests.afd_core.test_rendezvous import STRANGER_WITHOUT_SECRET
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
 from tests.netns import hosts, listeners
@@ -35,7 +35,7 @@ ARGS += ["--shutdown-timeout", "5", "--disable-log-stats"]
 
 CLIENT = """
 import json, sys
-from afd_plugin.launcher import complete
+from afd_plugin.deploy.servers import complete
 url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 out = [complete(url, p, max_tokens, timeout=120) for p in prompts]
 print(json.dumps([[c.text, c.token_ids, c.logprobs, c.seconds] for c in out]))

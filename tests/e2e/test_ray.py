@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_plugin.launcher import Completion, running
+from afd_plugin.deploy.servers import Completion, running
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
 from tests.e2e.test_multi_host import ARCH, CLIENT, START_S, _in, spec_text
 from tests.netns import hosts, listening

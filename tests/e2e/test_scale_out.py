@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from afd_plugin.launcher import running, scale_out_deployment
+from afd_plugin.deploy.servers import running, scale_out_deployment
 from tests.e2e.conftest import DEV_MODE, assert_same, reference, rpc, run_prompts, with_reference
 
 pytestmark = pytest.mark.e2e

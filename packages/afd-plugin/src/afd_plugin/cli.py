@@ -103,15 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(
         command("bench", "measure the connector and AFD vs colocated on this machine")
     )
-    from afd_plugin import deploy_launch
+    from afd_plugin.deploy import launch as deploy_launch
 
     deploy_launch.add_arguments(command("launch", "start this host's servers of a deployment spec"))
-    from afd_plugin import deploy_ray
+    from afd_plugin.deploy import ray_launch as deploy_ray
 
     deploy_ray.add_arguments(
         command("ray", "run a deployment spec on a Ray cluster (afd-plugin[ray])")
     )
-    from afd_plugin import deploy_k8s
+    from afd_plugin.deploy import k8s as deploy_k8s
 
     deploy_k8s.add_arguments(command("k8s", "render a deployment spec as Kubernetes manifests"))
     return parser
@@ -150,15 +150,15 @@ def _main(argv: list[str] | None) -> int:
 
         return bench_main(args)
     if args.command == "launch":
-        from afd_plugin.deploy_launch import main as launch_main
+        from afd_plugin.deploy.launch import main as launch_main
 
         return launch_main(args)
     if args.command == "ray":
-        from afd_plugin.deploy_ray import main as ray_main
+        from afd_plugin.deploy.ray_launch import main as ray_main
 
         return ray_main(args)
     if args.command == "k8s":
-        from afd_plugin.deploy_k8s import main as k8s_main
+        from afd_plugin.deploy.k8s import main as k8s_main
 
         return k8s_main(args)
     return 2

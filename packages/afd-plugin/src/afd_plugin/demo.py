@@ -72,7 +72,7 @@ def _progress(msg: str) -> None:
 
 def _tpot(url: str, prompts: list[str], max_tokens: int) -> tuple[list, float]:
     """Completions, and the median time per output token: (t(N) - t(1)) / (N - 1)."""
-    from afd_plugin.launcher import complete
+    from afd_plugin.deploy.servers import complete
 
     outs, per_token = [], []
     for p in prompts:
@@ -87,7 +87,7 @@ def _tpot(url: str, prompts: list[str], max_tokens: int) -> tuple[list, float]:
 def run(args) -> int:
     from afd_core.topology import TopologyError, validate_point_to_point
     from afd_models.tiny import TinySpec, tiny_checkpoint
-    from afd_plugin.launcher import local_deployment, running
+    from afd_plugin.deploy.servers import local_deployment, running
 
     a, f = args.shape
     try:
@@ -156,7 +156,7 @@ def main(args) -> int:
         print("\nafd demo: interrupted; every server it started was stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a demo reports, it does not dump a traceback
-        from afd_plugin.launcher import ServerError
+        from afd_plugin.deploy.servers import ServerError
 
         if not isinstance(exc, ServerError):
             raise

@@ -98,8 +98,8 @@ def main(args: argparse.Namespace) -> int:
 def _write_spec(args: argparse.Namespace, result) -> int:
     from pathlib import Path
 
-    from afd_plugin.deploy_spec import SpecError
-    from afd_plugin.plan_spec import write_spec
+    from afd_plugin.deploy.spec import SpecError
+    from afd_plugin.deploy.from_plan import write_spec
 
     if not result.candidates:
         print("afd plan: no AFD shape meets the target: no spec written", file=sys.stderr)

@@ -201,7 +201,7 @@ def _serving(args, out: Path, link, rates, progress) -> dict:
     from afd_core.planner.model_shape import load_model
     from afd_models.tiny import BENCHMARK_MOE, TinySpec, tiny_checkpoint
     from afd_plugin.bench import calibration, serving
-    from afd_plugin.launcher import running
+    from afd_plugin.deploy.servers import running
 
     def serving_progress(what: str) -> None:
         progress(3, f"serving: {what}")

@@ -142,7 +142,7 @@ def run_sweep(
     hiddens: list[int], rows_list: list[int], iters: int, timeout_s: float = 1800.0
 ) -> tuple[list[SweepPoint], dict[int, list[float]]]:
     """(points, one-layer step times per hidden), measured in two spawned processes."""
-    from afd_plugin.launcher import free_port
+    from afd_plugin.deploy.servers import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -70,7 +70,7 @@ def read_window(trace: str, start: float, end: float) -> Window:
 
 def _batch_run(url: str, batch: int, tokens: int) -> tuple[float, float, float]:
     """(seconds, start, end) of one batch of `batch` requests generating `tokens` each."""
-    from afd_plugin.launcher import complete_batch
+    from afd_plugin.deploy.servers import complete_batch
 
     prompts = [f"{PROMPT} {i}" for i in range(batch)]
     _, seconds = complete_batch(url, prompts, tokens, stagger=0)
@@ -85,7 +85,7 @@ def _median(xs: list[float]) -> float | None:
 def local_servers(model_dir: str, max_batch: int, log_dir: Path) -> tuple[list, str, str, str]:
     """(servers, colocated url, attention url, trace prefix) of this machine's deployment,
     not started yet."""
-    from afd_plugin.launcher import Server, ServerSpec, free_port
+    from afd_plugin.deploy.servers import Server, ServerSpec, free_port
 
     trace = str(log_dir / "trace")
     two_cores = (os.cpu_count() or 1) >= 2
@@ -147,7 +147,7 @@ def measure(
     AFD m=1 point the host's fixed costs are taken from, on running servers: the attention
     server DBO-capable with vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1), both AFD servers
     writing step timelines to `trace` (AFD_STEP_TRACE). Returns raw samples (seconds)."""
-    from afd_plugin.launcher import collective_rpc
+    from afd_plugin.deploy.servers import collective_rpc
 
     urls = {"colocated": colocated_url, "AFD m=1": attention_url, "AFD m=2": attention_url}
     samples: dict = {"runs": {}, "calibration": {}}

@@ -1,5 +1,5 @@
 """`afd plan --write-spec FILE --host NAME=ADDRESS:DEVICES ...`: the plan's best shape as a
-deployment spec (afd_plugin.deploy_spec) for `afd launch`.
+deployment spec (afd_plugin.deploy.spec) for `afd launch`.
 
 A:F with m micro-batches becomes an attention server whose A data-parallel ranks are the
 attention ranks, and FFN ranks the point-to-point protocol can serve it with (f FFN ranks,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from afd_core import topology
 from afd_core.topology import TopologyError
-from afd_plugin.deploy_spec import SpecError, check_spec
+from afd_plugin.deploy.spec import SpecError, check_spec
 
 API_PORTS = {"ffn": 8100, "attention": 8000}
 RPC_PORTS = {"ffn": 13346, "attention": 13345}  # both heads may share a host

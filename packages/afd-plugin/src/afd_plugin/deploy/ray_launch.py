@@ -26,9 +26,9 @@ import socket
 import sys
 from pathlib import Path
 
-from afd_plugin.deploy_launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
-from afd_plugin.deploy_spec import Deployment, HostCommand, SpecError, commands, load_spec
-from afd_plugin.launcher import ServerError
+from afd_plugin.deploy.launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
+from afd_plugin.deploy.spec import Deployment, HostCommand, SpecError, commands, load_spec
+from afd_plugin.deploy.servers import ServerError
 
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # Ray's names for the accelerators
 ACTOR_START_S = 300.0  # a Ray worker process to start and import afd_plugin, on a busy node
@@ -73,7 +73,7 @@ class ServerProcess:
     """On a Ray node: one process of the spec, started when the actor is made."""
 
     def __init__(self, name: str, argv: list[str], address: str, port, env: dict, log_dir):
-        # MODULE_SERVE: this node's Python (deploy_launch is imported in the actor's process)
+        # MODULE_SERVE: this node's Python (deploy.launch is imported in the actor's process)
         spec = _ProcessSpec(name, [*MODULE_SERVE, *argv], address, port, env)
         self.server = _NodeProcess(spec, Path(log_dir))
         self.server.start()

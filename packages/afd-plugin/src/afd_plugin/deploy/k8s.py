@@ -1,4 +1,4 @@
-"""`afd k8s SPEC`: a deployment spec (afd_plugin.deploy_spec) as Kubernetes manifests.
+"""`afd k8s SPEC`: a deployment spec (afd_plugin.deploy.spec) as Kubernetes manifests.
 
 Each server becomes one workload: a StatefulSet of one pod when it runs on one host, a
 LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of one group when its data-parallel ranks
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_core.connectors.options import GlooOptions
-from afd_plugin.deploy_spec import (
+from afd_plugin.deploy.spec import (
     Deployment,
     HostCommand,
     HostSpec,

@@ -7,7 +7,7 @@ headless, as with vLLM's --data-parallel-start-rank). AFD's rank numbers, each s
 `start_rank` and the deployment's shape follow from the order of the servers; the
 rendezvous is FFN rank 0's host. Every bad field is named with its value and what is
 allowed (as the `afd` config is), before anything starts. `commands()` turns a spec into
-each host's `vllm serve` commands (afd_plugin.deploy_launch starts them).
+each host's `vllm serve` commands (afd_plugin.deploy.launch starts them).
 
     model = "/models/Qwen3-30B-A3B"
     platform = "cpu"                    # cpu | cuda | npu
