@@ -365,8 +365,9 @@ def test_probes_devices_and_shared_memory():
     assert container["startupProbe"]["failureThreshold"] == 150  # (900 + 600) / 10
     raw = spec_cuda()
     raw["platform"] = "npu"
+    raw["servers"][0]["data_parallel_size"] = 1  # Ascend runs no FFN expert group
     npu = _pods(_docs(raw))[0][2]["spec"]["containers"][0]
-    assert npu["resources"] == {"limits": {"huawei.com/Ascend910": "2"}}
+    assert npu["resources"] == {"limits": {"huawei.com/Ascend910": "1"}}
 
 
 def test_the_secret_round_trips_and_every_pod_mounts_it(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 import tomllib
 
@@ -116,7 +117,64 @@ def _bad(change) -> str:
             lambda r: r["servers"].append(
                 {"name": "x", "role": "attention", "port": 8000, "hosts": "a0"}
             ),
-            "API port 8000 on host 'a0' is taken by attention0",
+            "API port 8000 on host 'a0' (198.18.7.2) is taken by attention0",
+        ),
+        # two host names, one address: the ports are the address's
+        (
+            lambda r: (
+                r["hosts"].update(b={"address": "198.18.7.2"})
+                or r["servers"].append(
+                    {"name": "x", "role": "attention", "port": 8000, "hosts": "b"}
+                )
+                or None
+            ),
+            "API port 8000 on host 'b' (198.18.7.2) is taken by attention0",
+        ),
+        (lambda r: r["hosts"]["f"].update(address="10.0.0.1:22"), "hosts.f.address='10.0.0.1:22'"),
+        (lambda r: r["hosts"]["f"].update(address="not an address"), "an IP address or a host"),
+        # the [afd] table as every server parses it
+        (lambda r: r["afd"].update(num_microbatchs=2), "unknown key 'num_microbatchs'"),
+        (
+            lambda r: r["afd"]["connector_extra_config"].update(connect_timeout_s="ten minutes"),
+            "connect_timeout_s",
+        ),
+        (lambda r: r["afd"].update(num_microbatches=9), "num_microbatches"),
+        # a server's start-up rules
+        (
+            lambda r: r["roles"]["ffn"]["args"].append("--enable-dbo"),
+            "servers[0] (ffn0, ffn) would stop at start-up: AFD: --enable-dbo on an FFN server",
+        ),
+        (
+            lambda r: (
+                r["servers"][0].update(data_parallel_size=2)
+                or r["roles"]["ffn"]["args"].append("--enable-expert-parallel")
+                or r["servers"][1].update(data_parallel_size=2)
+                or None
+            ),
+            "--enable-expert-parallel on an FFN server is not supported on CPU",
+        ),
+        (
+            lambda r: r["roles"]["attention"]["args"].extend(["--compilation-config", "{}"]),
+            "would stop at start-up: AFD on CPU: cudagraph_mode=FULL_AND_PIECEWISE",
+        ),
+        (
+            lambda r: (
+                r["afd"].update(async_dp=True) or r["servers"][0].update(data_parallel_size=2)
+            ),
+            "[afd]: afd.async_dp with an FFN expert group",
+        ),
+        # flags the spec owns
+        (
+            lambda r: r["servers"][1].update(args=["--port", "9000"]),
+            "servers[1].args: --port is set by the spec itself; allowed: set servers[].port",
+        ),
+        (
+            lambda r: r["roles"]["attention"]["args"].append("--data_parallel_size=4"),
+            "roles.attention.args: --data_parallel_size is set by the spec itself",
+        ),
+        (
+            lambda r: r["servers"][0].update(args=["--additional-config", "{}"]),
+            "--additional-config is set by the spec itself",
         ),
     ],
 )
@@ -129,8 +187,10 @@ def test_afd_launch_print_shows_every_hosts_commands(capsys):
     out = capsys.readouterr().out
     assert "rendezvous 198.18.7.1:29650 (host f)" in out
     assert out.index("# host f") < out.index("# host a0") < out.index("# host a1")
-    lines = [line for line in out.splitlines() if line and not line.startswith("#")]
+    lines = [line for line in out.splitlines() if line and not line.startswith(("#", "ip"))]
     assert len(lines) == 3
+    # then the firewall rules of every host (tests/afd_plugin/test_firewall.py)
+    assert out.index("# host a1") < out.index("# firewall") < out.index("# on host a1")
     words = shlex.split(lines[2])
     assert words[:3] == [
         "VLLM_HOST_IP=198.18.7.3",
@@ -160,7 +220,7 @@ def test_afd_launch_refuses_a_bad_spec_or_host_before_starting_anything(tmp_path
         ("cuda", [], ["--compilation-config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}']),
         ("cuda", ["--enforce_eager"], []),  # the args choose (vLLM reads `_` as `-`)
         ("cuda", ["-O0"], []),
-        ("cuda", ["--compilation-config={}"], []),
+        ("cuda", ['--compilation-config={"cudagraph_mode": "NONE"}'], []),
     ],
 )
 def test_each_platform_runs_with_graph_flags_afd_takes_unless_the_args_choose(
@@ -185,3 +245,102 @@ def test_the_collective_libraries_bind_each_hosts_address_or_interface():
     raw["platform"] = "npu"
     env = commands(check_spec(raw), [])[2].env
     assert env["HCCL_IF_IP"] == "198.18.7.3" and "NCCL_SOCKET_IFNAME" not in env
+
+
+def _cuda(**hosts) -> dict:
+    """CUDA: an FFN server of 2 ranks and an attention server of 4, both on host g0."""
+    return {
+        "model": "/models/m",
+        "platform": "cuda",
+        "hosts": {"g0": {"address": "10.0.0.1", **hosts}},
+        "servers": [
+            {"name": "ffn0", "role": "ffn", "port": 8100, "data_parallel_size": 2, "hosts": "g0"},
+            {"name": "attention0", "role": "attention", "port": 8000, "data_parallel_size": 4,
+             "hosts": "g0"},
+        ],
+    }  # fmt: skip
+
+
+def test_servers_sharing_a_host_get_disjoint_devices():
+    d = check_spec(_cuda(devices=8))
+    visible = [c.env["CUDA_VISIBLE_DEVICES"] for c in commands(d, ["vllm", "serve"])]
+    assert visible == ["0,1", "2,3,4,5"]
+    raw = _cuda(devices=8)
+    raw["servers"][1]["hosts"] = [{"host": "g0", "ranks": 4, "devices": [7, 6, 5, 4]}]
+    visible = [c.env["CUDA_VISIBLE_DEVICES"] for c in commands(check_spec(raw), ["vllm", "serve"])]
+    assert visible == ["0,1", "7,6,5,4"]
+    # npu: Ascend's variable (one rank per FFN server there)
+    raw = _cuda(devices=8)
+    raw.update(platform="npu")
+    raw["servers"][0]["data_parallel_size"] = 1
+    npu = commands(check_spec(raw), ["vllm", "serve"])
+    assert [c.env["ASCEND_RT_VISIBLE_DEVICES"] for c in npu] == ["0", "1,2,3,4"]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda r: r["hosts"]["g0"].update(devices=5), "host 'g0' has 5 device(s) but its server"),
+        (
+            lambda r: (
+                r["servers"][0].update(hosts=[{"host": "g0", "ranks": 2, "devices": [0, 1]}])
+                or r["servers"][1].update(
+                    hosts=[{"host": "g0", "ranks": 4, "devices": [1, 2, 3, 4]}]
+                )
+            ),
+            "attention0 on host 'g0': device 1 is also ffn0's",
+        ),
+        (
+            lambda r: r["servers"][1].update(hosts=[{"host": "g0", "ranks": 4, "devices": [2, 3]}]),
+            "devices=[2, 3] lists 2 but it runs 4",
+        ),
+        (
+            lambda r: r["servers"][1].update(
+                hosts=[{"host": "g0", "ranks": 4, "devices": [2, 3, 4, 8]}]
+            ),
+            "device 8 is out of range; allowed: 0..7",
+        ),
+        (lambda r: r["servers"][0].update(env={"CUDA_VISIBLE_DEVICES": "0"}), "the spec writes it"),
+    ],
+)
+def test_an_overlap_or_an_overcommit_is_refused(change, expected):
+    raw = _cuda(devices=8)
+    change(raw)
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        check_spec(raw)
+
+
+def test_afd_launch_refuses_a_shared_host_without_a_device_count(capsys, tmp_path):
+    d = check_spec(_cuda())  # afd k8s and afd ray place pods and actors themselves
+    with pytest.raises(SpecError, match=r"host 'g0' runs 2 server parts \(ffn0, attention0\)"):
+        d.require_placed_devices()
+    path = tmp_path / "d.toml"
+    path.write_text(
+        'model = "/models/m"\nplatform = "cuda"\n[hosts.g0]\naddress = "10.0.0.1"\n'
+        '[[servers]]\nname = "ffn0"\nrole = "ffn"\nport = 8100\nhosts = "g0"\n'
+        '[[servers]]\nname = "attention0"\nrole = "attention"\nport = 8000\nhosts = "g0"\n'
+    )
+    assert main(["launch", str(path), "--print"]) == 2
+    assert "[hosts.g0] devices = N" in capsys.readouterr().err
+
+
+def test_env_per_host_then_role_then_server():
+    raw = example()
+    raw["hosts"]["a0"]["env"] = {"NCCL_IB_HCA": "mlx5_0", "X": "host"}
+    raw["roles"]["attention"]["env"] = {"X": "role"}
+    cmds = {c.host: c for c in commands(check_spec(raw), ["vllm", "serve"])}
+    assert cmds["a0"].env["NCCL_IB_HCA"] == "mlx5_0" and cmds["a0"].env["X"] == "role"
+    assert "NCCL_IB_HCA" not in cmds["a1"].env
+
+
+def test_vllms_defaults_the_spec_check_relies_on():
+    """afd_plugin.deploy.server_check reads DBO thresholds and the graph mode from a
+    server's flags, with vLLM 0.32's defaults where its flags say nothing."""
+    from vllm.config import ParallelConfig
+
+    from afd_plugin.deploy import server_check
+
+    pc = ParallelConfig()
+    assert pc.dbo_decode_token_threshold == server_check.DBO_DECODE_TOKEN_THRESHOLD
+    assert pc.dbo_prefill_token_threshold == server_check.DBO_PREFILL_TOKEN_THRESHOLD
+    assert (pc.use_ubatching, pc.num_ubatches) == (False, 0)

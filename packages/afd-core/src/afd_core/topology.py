@@ -30,26 +30,6 @@ def validate_point_to_point(num_attention_ranks: int, num_ffn_ranks: int) -> Non
         )
 
 
-def ffn_layout(num_attention_devices: int, num_ffn_devices: int, platform: str) -> tuple[int, int]:
-    """(FFN ranks, tensor-parallel devices per FFN rank) that serve A attention ranks with
-    F FFN devices, or TopologyError why none can. F <= A: F FFN ranks, one device each
-    (validate_point_to_point). F > A: fewer FFN ranks of several tensor-parallel devices
-    each, the most ranks (at most A) that divide F, on CPU only (FFN tensor parallelism is rejected on
-    CUDA and Ascend, docs/cuda.md). The planner (afd_core.planner.search) and `afd plan
-    --write-spec` ask this one function."""
-    a, f = num_attention_devices, num_ffn_devices
-    if f <= a:
-        validate_point_to_point(a, f)
-        return f, 1
-    ranks = max(r for r in range(1, a + 1) if f % r == 0)
-    if platform != "cpu":
-        raise TopologyError(
-            f"{a}A{f}F needs {f} FFN devices over at most {ranks} FFN rank(s), that is FFN "
-            f"tensor parallelism, which AFD rejects on {platform}"
-        )
-    return ranks, f // ranks
-
-
 @dataclass(frozen=True)
 class Topology:
     num_attention_ranks: int

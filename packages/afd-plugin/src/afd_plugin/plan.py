@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--platform",
         choices=("cpu", "cuda", "npu"),
-        help="the spec's platform (default: from --hardware: cpu, npu for ascend, else cuda)",
+        help="the spec's platform (default: the hardware profile's `platform`, which the plan used)",
     )
 
 
@@ -89,25 +89,22 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render(result, hw))
     if args.write_spec:
-        written = _write_spec(args, result)
+        written = _write_spec(args, result, hw.platform)
         if written != 0:
             return written
     return 0 if result.slo_met else EXIT_SLO_UNMET
 
 
-def _write_spec(args: argparse.Namespace, result) -> int:
+def _write_spec(args: argparse.Namespace, result, profile_platform: str) -> int:
     from pathlib import Path
 
-    from afd_plugin.deploy.spec import SpecError
     from afd_plugin.deploy.from_plan import write_spec
+    from afd_plugin.deploy.spec import SpecError
 
     if not result.candidates:
         print("afd plan: no AFD shape meets the target: no spec written", file=sys.stderr)
         return EXIT_SLO_UNMET
-    hardware = args.hardware
-    platform = args.platform or (
-        "cpu" if hardware == "cpu" else "npu" if hardware.startswith("ascend") else "cuda"
-    )
+    platform = args.platform or profile_platform  # the platform the plan was made for
     try:
         shape = write_spec(
             result.candidates, args.model, args.host, platform, Path(args.write_spec)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from afd_core.capabilities import MAX_MICROBATCHES  # a message holds this many row counts
+
 MAGIC = 0x41464443  # "AFDC"
 # 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step;
 # 3: the STARTUP flag (start-up steps are bounded by startup_timeout_s on both sides)
 VERSION = 3
-MAX_MICROBATCHES = 4
 HEADER_LEN = 8
 MESSAGE_LEN = HEADER_LEN + MAX_MICROBATCHES
 

@@ -37,6 +37,7 @@ Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 from __future__ import annotations
 
 from afd_core import envs
+from afd_core.capabilities import ffn_server_problem, graph_mode_problem, microbatch_problem
 from afd_core.config import AFD_KEY, AUTO
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.gate import deployment_secret
@@ -139,26 +140,17 @@ def validate_expert_group(afd, pc, device_type: str) -> None:
     """An FFN server with --data-parallel-size D: FFN ranks start_rank..start_rank+D-1 that
     run their MoE layers as one vLLM data-parallel group (afd_core.step.expert_group)."""
     dp = pc.data_parallel_size
-    if pc.tensor_parallel_size != 1:
-        raise AFDDeploymentError(
-            f"AFD: an FFN server with --data-parallel-size={dp} and "
-            f"--tensor-parallel-size={pc.tensor_parallel_size} is not supported; allowed: "
-            "--tensor-parallel-size 1 with data parallelism (vLLM then shards the experts "
-            "over the data-parallel ranks), or one FFN rank per server over tensor parallel"
-        )
+    problem = ffn_server_problem(
+        device_type, pc.tensor_parallel_size, dp, bool(pc.enable_expert_parallel)
+    )
+    if problem:
+        raise AFDDeploymentError(problem)
     if afd.start_rank + dp > afd.num_ffn_ranks:
         raise AFDDeploymentError(
             f"afd config: this FFN server runs --data-parallel-size={dp} FFN ranks "
             f"{afd.start_rank}..{afd.start_rank + dp - 1}, but the deployment has "
             f"num_ffn_ranks={afd.num_ffn_ranks} (0..{afd.num_ffn_ranks - 1}); raise "
             "num_ffn_ranks or lower start_rank / --data-parallel-size"
-        )
-    if device_type == "cpu" and pc.enable_expert_parallel:
-        raise AFDDeploymentError(
-            "AFD: --enable-expert-parallel on an FFN server is not supported on CPU: vLLM "
-            "0.32's CPU fused-MoE kernel crashes with an expert map (segfault in "
-            "cpu_fused_moe.cpp, colocated too); leave it off and vLLM shards every expert "
-            f"over the {dp} data-parallel FFN ranks instead"
         )
 
 
@@ -200,7 +192,7 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
 
 def validate_cuda(afd, vllm_config) -> None:
     """What the CUDA path does not run yet, each with its alternative."""
-    from afd_core.step.graphs import SUPPORTED_GRAPH_MODES, graph_mode_name
+    from afd_core.step.graphs import graph_mode_name
 
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise AFDDeploymentError(
@@ -208,7 +200,7 @@ def validate_cuda(afd, vllm_config) -> None:
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
     name = graph_mode_name(vllm_config)
-    if name not in SUPPORTED_GRAPH_MODES:
+    if graph_mode_problem("cuda", name):  # the message below says what vLLM defaults to
         raise AFDDeploymentError(
             f"AFD on CUDA: cudagraph_mode={name} is not supported (vLLM's default is "
             "FULL_AND_PIECEWISE); allowed: FULL_DECODE_ONLY (pass --compilation-config "
@@ -219,29 +211,20 @@ def validate_cuda(afd, vllm_config) -> None:
 
         check_pynccl_enabled()
     pc = vllm_config.parallel_config
-    if afd.is_ffn and pc.tensor_parallel_size > 1:
-        raise AFDDeploymentError(
-            f"AFD on CUDA: an FFN server with --tensor-parallel-size="
-            f"{pc.tensor_parallel_size} is not supported yet (its TP rank 0 forwards the rows "
-            "to the others in CPU buffers); allowed: --tensor-parallel-size 1, with "
-            "--data-parallel-size N for N FFN ranks as one expert group"
-        )
+    problem = afd.is_ffn and ffn_server_problem("cuda", pc.tensor_parallel_size, 1)
+    if problem:
+        raise AFDDeploymentError(problem)
 
 
 def validate_cuda_microbatches(m: int, vllm_config, adaptive: bool = False) -> None:
     """DBO with graphs runs through vLLM's UBatchWrapper, which splits in two; eagerly,
     AFD's own executor runs up to 4 (afd_core.step.vllm_ubatch)."""
     from afd_core.step.graphs import graph_mode_name
-    from afd_core.step.vllm_ubatch import VLLM_UBATCHES
 
     mode = graph_mode_name(vllm_config)
     pc = vllm_config.parallel_config
-    if adaptive and mode != "NONE":
-        raise AFDDeploymentError(
-            f"AFD on CUDA: afd.num_microbatches='auto' with cudagraph_mode={mode}: with "
-            "graphs vLLM's UBatchWrapper splits every step it captured alike; allowed: "
-            f"'auto' with --enforce-eager, or afd.num_microbatches={VLLM_UBATCHES} with graphs"
-        )
+    if adaptive and (problem := microbatch_problem("cuda", m, mode, adaptive=True)):
+        raise AFDDeploymentError(problem)
     if m > 1 and mode != "NONE" and pc.data_parallel_size > 1 and pc.is_moe_model is False:
         # vLLM makes DP metadata for MoE models only, and its UBatchWrapper asserts it
         # under data parallel (gpu_ubatch_wrapper.py, __call__)
@@ -251,12 +234,8 @@ def validate_cuda_microbatches(m: int, vllm_config, adaptive: bool = False) -> N
             "UBatchWrapper requires the DP metadata it makes for MoE models only); allowed: "
             "--enforce-eager, afd.num_microbatches=1, or --data-parallel-size 1"
         )
-    if m > VLLM_UBATCHES and mode != "NONE":
-        raise AFDDeploymentError(
-            f"AFD on CUDA: {m} micro-batches per step (DBO) with cudagraph_mode={mode}: "
-            f"with graphs vLLM's UBatchWrapper splits steps, in {VLLM_UBATCHES}; allowed: "
-            f"afd.num_microbatches={VLLM_UBATCHES} with graphs, or up to 4 with --enforce-eager"
-        )
+    if not adaptive and (problem := microbatch_problem("cuda", m, mode)):
+        raise AFDDeploymentError(problem)
 
 
 def afd_architectures() -> list[str]:

@@ -8,8 +8,13 @@ of the analytical-provisioning paper, with the slope taken from the hardware's r
 - FFN: the experts a micro-batch touches (expected distinct experts of n tokens routed
   top-k among E: E * (1 - (1 - k/E)^n)), the shared experts and the router, split over
   the FFN devices (expert parallel); dense layers' MLP split likewise
-- transfer: alpha + bytes / link bandwidth, one direction; each token goes to the
-  expected number of distinct FFN devices holding its top-k experts (M2N dispatch)
+- transfer: alpha + bytes / link bandwidth, one direction. AFD as this project runs it:
+  each attention rank sends its rows once, to its one FFN rank (`fanout` 1); colocated
+  expert parallelism: each token goes to the expected number of distinct devices holding
+  its top-k experts (`dispatch_fanout`)
+- an FFN expert group's own traffic (`group_exchange_time`): every MoE layer and
+  micro-batch, each member all-gathers the group's rows and reduce-scatters the outputs
+  (vLLM's data-parallel MoE, step/expert_group.py), on the FFN stage
 """
 
 from __future__ import annotations
@@ -103,16 +108,18 @@ def transfer_times(
     attention_devices: int,
     ffn_devices: int,
     devices_total: int | None = None,
+    fanout: float = 1.0,
 ) -> tuple[float, float]:
     """(latency, link occupancy) in seconds of one direction for one micro-batch: an
     attention device sends its rows, an FFN device receives from the attention devices it
     serves, the busiest from ceil(A/F) of them (the busier end sets the occupancy). Of `devices_total` devices, the share outside a
     device's scale-up domain goes over the scale-out link, beside the rest (the slower of
     the two sets the occupancy, the scale-out latency the latency); AFD: attention + FFN
-    devices (the default), colocated EP: its devices."""
+    devices (the default), colocated EP: its devices. `ffn_devices`: the FFN ranks the
+    attention ranks send to; `fanout`: the FFN ranks each token goes to."""
     if rows_per_attention <= 0:
         return 0.0, 0.0
-    per_token = model.hidden_size * model.wire_bytes * dispatch_fanout(model.top_k, ffn_devices)
+    per_token = model.hidden_size * model.wire_bytes * fanout
     send = rows_per_attention * per_token
     # A >= F: FFN rank k receives from a block of attention ranks, the largest ceil(A/F)
     # (topology.Topology); F > A: FFN tensor parallelism, each device its share
@@ -129,6 +136,28 @@ def transfer_times(
     local_s = volume * (1 - remote) / hw.link_bytes_per_s
     remote_s = volume * remote / (hw.scale_out_bandwidth_gbps * 1e9)
     return max(hw.link_latency_us, hw.scale_out_latency_us) * 1e-6, max(local_s, remote_s)
+
+
+def group_exchange_time(
+    model: ModelShape, hw: HardwareProfile, group_rows: float, group_size: int
+) -> float:
+    """An FFN expert group's all-gather of `group_rows` rows (every member's) and the
+    reduce-scatter of their outputs, one MoE layer and micro-batch: each member moves the
+    others' share, (g - 1) / g of the rows, each way (a ring), over the scale-up link, or the
+    scale-out link for the share outside its domain."""
+    if group_size <= 1 or group_rows <= 0:
+        return 0.0
+    g = group_size
+    volume = group_rows * model.hidden_size * model.wire_bytes * (g - 1) / g
+    remote = hw.remote_fraction(g)
+    if not remote:
+        one_way = hw.link_latency_us * 1e-6 + volume / hw.link_bytes_per_s
+    else:
+        one_way = max(hw.link_latency_us, hw.scale_out_latency_us) * 1e-6 + max(
+            volume * (1 - remote) / hw.link_bytes_per_s,
+            volume * remote / (hw.scale_out_bandwidth_gbps * 1e9),
+        )
+    return 2 * one_way
 
 
 def step_extra_time(model: ModelShape, hw: HardwareProfile, batch: float) -> float:

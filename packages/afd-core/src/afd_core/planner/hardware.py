@@ -13,10 +13,11 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from afd_core.capabilities import PLATFORMS as CAPABILITIES
 from afd_core.planner.errors import PlanInputError
 
 PROFILE_FORMAT = 1
-PLATFORMS = ("cpu", "cuda", "npu")
+PLATFORMS = tuple(CAPABILITIES)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class HardwareProfile:
     # how much of a layer's weight reading hides behind its arithmetic: 1 = the roofline
     # max(memory, compute) (a GPU's many warps); 0 = their sum (one CPU thread)
     compute_memory_overlap: float = 1.0
-    # the platform AFD runs on there: which A:F shapes it can serve (topology.ffn_layout)
+    # the platform AFD runs on there: what AFD runs there (afd_core.capabilities)
     platform: str = "cuda"
     # a two-level network: `scale_up_domain` devices share the link above (NVLink, UB);
     # traffic between domains takes the scale-out link (a NIC per device). 0: one domain

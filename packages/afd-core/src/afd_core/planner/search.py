@@ -2,9 +2,15 @@
 give the most tokens per second per device within a time-per-output-token target, next to
 colocated expert parallelism on the same hardware, with a plain verdict.
 
-A decode step of an AFD deployment with r attention devices and F FFN devices (one FFN
-group, experts spread over it): each attention device holds B requests in m micro-batches
-of B/m; the step time is the pipeline makespan (`pipeline.step_time`) plus the LM head;
+A decode step of an AFD deployment with r attention devices and F FFN devices, laid out as
+the platform runs them (afd_core.capabilities.ffn_layout: one FFN expert group over the F
+devices, FFN servers of one rank each that each hold every expert, or tensor-parallel FFN
+servers): each attention device holds B requests in m micro-batches of B/m, sent once to
+its FFN rank; an expert group then all-gathers and reduce-scatters its rows every MoE
+layer (costs.group_exchange_time); the busiest FFN server sets the pace. Only the shapes
+and m the platform runs are searched (graphs where the platform uses them by default,
+so m <= 2 on CUDA). The step time is the pipeline makespan (`pipeline.step_time`) plus
+the LM head;
 every request gets one token per step, so TPOT = step time and throughput per device =
 r B / step / (r + F). Larger B never predicts a shorter step, so the largest B within the
 target and the memory (weights + KV cache) is found by bisection.
@@ -18,13 +24,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from afd_core.capabilities import (
+    CapabilityError,
+    FFNLayout,
+    capabilities,
+    ffn_layout,
+    microbatch_problem,
+)
 from afd_core.planner import costs
 from afd_core.planner.errors import PlanInputError
 from afd_core.planner.hardware import HardwareProfile
 from afd_core.planner.model_shape import ModelShape
 from afd_core.planner.pipeline import step_time
-from afd_core.topology import TopologyError, ffn_layout
 
+# the ratio of two predictions read as "no difference, measure" (docs/planner.md, calibration)
+TIE_BAND = 0.15
 ATTENTION_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 FFN_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 MICROBATCHES = (1, 2, 3, 4)
@@ -51,6 +65,7 @@ class Candidate:
     tokens_per_s_per_device: float
     breakdown: StepBreakdown
     capped_by: str = "tpot"  # what stopped B growing: "tpot", "memory" or "search" (MAX_BATCH)
+    layout: FFNLayout | None = None  # the FFN servers the F devices form
 
     @property
     def shape(self) -> str:
@@ -112,7 +127,10 @@ class Plan:
             return f"AFD pays: {best.shape} m={best.microbatches} meets {t}; colocated cannot"
         gain = self.afd_gain
         co = self.colocated[0]
-        what = "AFD pays" if gain > 1.0 else "AFD does not pay here"
+        if abs(gain - 1.0) <= TIE_BAND:
+            what = f"no difference within the model's error (±{TIE_BAND:.0%}), measure both"
+        else:
+            what = "AFD pays" if gain > 1.0 else "AFD does not pay here"
         return (
             f"{what}: {best.shape} m={best.microbatches} B={best.batch_per_attention_device} "
             f"gives {best.tokens_per_s_per_device:.1f} tok/s/device = {gain:.2f}x colocated "
@@ -150,14 +168,23 @@ def afd_step(
     microbatches: int,
     batch: float,
     context: float,
+    layout: FFNLayout | None = None,
 ) -> StepBreakdown:
-    """Predicted decode step of an AFD deployment, `batch` requests per attention device."""
+    """Predicted decode step of an AFD deployment, `batch` requests per attention device,
+    its F FFN devices laid out as `layout` (default: as the platform runs them)."""
+    a = attention_devices
+    layout = layout or ffn_layout(a, ffn_devices, hw.platform, model.num_heads)
     b = batch / microbatches
     ta = costs.attention_layer_time(model, hw, b, context)
-    rows_ffn = attention_devices * b
-    te_moe = costs.ffn_layer_time(model, hw, rows_ffn, ffn_devices)
-    te_dense = costs.ffn_layer_time(model, hw, rows_ffn, ffn_devices, dense=True)
-    latency, occupancy = costs.transfer_times(model, hw, b, attention_devices, ffn_devices)
+    # the busiest FFN server: ceil(A / servers) attention ranks' rows, over its devices
+    rows_ffn = -(-a // layout.servers) * b
+    per_copy = layout.devices_per_copy
+    group = costs.group_exchange_time(model, hw, rows_ffn, layout.ranks_per_server)
+    te_moe = costs.ffn_layer_time(model, hw, rows_ffn, per_copy) + group
+    te_dense = costs.ffn_layer_time(model, hw, rows_ffn, per_copy, dense=True) + group
+    latency, occupancy = costs.transfer_times(
+        model, hw, b, a, layout.ranks, devices_total=a + ffn_devices
+    )
     dense, moe = model.num_dense_layers, model.num_moe_layers
     makespan = step_time(
         [ta] * model.num_layers,
@@ -195,7 +222,8 @@ def colocated_step(
         te_dense = costs.ffn_layer_time(model, hw, b, 1, dense=True)  # dense MLP replicated
         tc = 0.0
         if devices > 1:
-            lat, occ = costs.transfer_times(model, hw, b, devices, devices, devices)
+            fanout = costs.dispatch_fanout(model.top_k, devices)
+            lat, occ = costs.transfer_times(model, hw, b, devices, devices, devices, fanout)
             tc = lat + occ * (devices - 1) / devices  # the local share stays on the device
         per_layer_moe = (
             max(m * (ta + te_moe), ta + te_moe + 2 * tc) if m > 1 else ta + te_moe + 2 * tc
@@ -276,31 +304,34 @@ def plan(
     result.weights_gb = (model.attention_weight_bytes_total + ffn_bytes) / 1e9
     best_per_shape: list[Candidate] = []
     fastest = None
+    graphs = capabilities(hw.platform).default_graph_mode
     for f in FFN_COUNTS:
-        if ffn_bytes / f > mem:
-            continue
         for r in ATTENTION_COUNTS:
             if r + f > max_devices:
                 break
-            try:  # only shapes AFD can serve on this platform (the config's own rule)
-                ffn_layout(r, f, hw.platform)
-            except TopologyError:
+            try:  # only shapes AFD can serve on this platform (the servers' own rule)
+                layout = ffn_layout(r, f, hw.platform, model.num_heads)
+            except CapabilityError:
+                continue
+            if ffn_bytes / layout.devices_per_copy > mem:
                 continue
             for m in MICROBATCHES:
+                if microbatch_problem(hw.platform, m, graphs):
+                    continue
                 if _attention_memory(model, m, context) > mem:
                     continue
-                first = afd_step(model, hw, r, f, m, m, context).step_s
+                first = afd_step(model, hw, r, f, m, m, context, layout).step_s
                 fastest = first if fastest is None else min(fastest, first)
 
-                def fits(b, r=r, f=f, m=m):
+                def fits(b, r=r, f=f, m=m, layout=layout):
                     if _attention_memory(model, b, context) > mem:
                         return False
-                    return afd_step(model, hw, r, f, m, b, context).step_s <= target
+                    return afd_step(model, hw, r, f, m, b, context, layout).step_s <= target
 
                 b = _max_batch(fits, m, m)
                 if not b:
                     continue
-                bd = afd_step(model, hw, r, f, m, b, context)
+                bd = afd_step(model, hw, r, f, m, b, context, layout)
                 capped = _capped_by(b, m, lambda b: _attention_memory(model, b, context) <= mem)
                 best_per_shape.append(
                     Candidate(
@@ -312,6 +343,7 @@ def plan(
                         r * b / bd.step_s / (r + f),
                         bd,
                         capped,
+                        layout,
                     )
                 )
     best_per_shape.sort(key=lambda c: -c.tokens_per_s_per_device)

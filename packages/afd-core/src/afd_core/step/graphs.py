@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from afd_core.capabilities import PLATFORMS
 from afd_core.connectors.base import StepPlan
 from afd_core.connectors.control import ControlFlag
 from afd_core.log import get_logger
@@ -31,7 +32,7 @@ from afd_core.log import get_logger
 logger = get_logger(__name__)
 
 # the graph modes AFD runs on CUDA (vLLM's CUDAGraphMode names)
-SUPPORTED_GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+SUPPORTED_GRAPH_MODES = PLATFORMS["cuda"].graph_modes
 MAX_FFN_GRAPHS = 256  # keys per FFN rank; a capture past it drops the least recently used
 
 

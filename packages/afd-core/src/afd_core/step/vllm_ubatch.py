@@ -42,11 +42,12 @@ from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
 from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
 from afd_core import dbo
+from afd_core.capabilities import MICROBATCHES_WITH_GRAPHS
 from afd_core.step.graphs import GraphPhase, graph_phase
 from afd_core.step.microbatch import MicrobatchAborted
 
 # vLLM's UBatchWrapper runs two micro-batches (ParallelConfig.num_ubatches with enable_dbo)
-VLLM_UBATCHES = 2
+VLLM_UBATCHES = MICROBATCHES_WITH_GRAPHS
 
 
 def uses_vllm_ubatching(num_microbatches: int, cudagraph_mode_name: str) -> bool:

@@ -34,6 +34,7 @@ import functools
 import sys
 import threading
 
+from afd_core.capabilities import ffn_server_problem, microbatch_problem
 from afd_core.config import AFD_KEY
 from afd_core.log import get_logger
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm, restore_attr
@@ -66,36 +67,12 @@ def validate_npu(afd, microbatches: int, vllm_config) -> None:
     from afd_core.step.graphs import graph_mode_name
 
     mode = graph_mode_name(vllm_config)
-    if mode != "NONE":
-        raise AFDDeploymentError(
-            f"AFD on Ascend: cudagraph_mode={mode} (ACL graphs) is not supported yet: AFD's "
-            "step wrapper does not see vLLM-Ascend's graph wrapper, and with FULL graphs "
-            "vLLM-Ascend still compiles the model, which must not trace the layer exchange; "
-            "allowed: --enforce-eager"
-        )
-    if microbatches > 1:
-        raise AFDDeploymentError(
-            f"AFD on Ascend: {microbatches} micro-batches per step (DBO) is not supported: "
-            "vLLM-Ascend builds one attention metadata per step (one builder per attention "
-            "group, no micro-batch slices); allowed: afd.num_microbatches 1, without "
-            "--enable-dbo / --ubatch-size"
-        )
     pc = vllm_config.parallel_config
-    if afd.is_ffn and pc.tensor_parallel_size > 1:
-        raise AFDDeploymentError(
-            f"AFD on Ascend: an FFN server with --tensor-parallel-size="
-            f"{pc.tensor_parallel_size} is not supported yet (its TP rank 0 forwards the rows "
-            "to the others in CPU buffers); allowed: --tensor-parallel-size 1 (one NPU per "
-            "FFN rank)"
-        )
-    if afd.is_ffn and pc.data_parallel_size > 1:
-        raise AFDDeploymentError(
-            f"AFD on Ascend: an FFN server with --data-parallel-size={pc.data_parallel_size} "
-            "(FFN ranks as one expert group) is not supported yet: vLLM-Ascend's MoE "
-            "communication (MC2, all-gather) has not been wired to AFD's expert group; "
-            "allowed: one FFN rank per FFN server (start more FFN servers, each with its "
-            "start_rank)"
-        )
+    problem = microbatch_problem("npu", microbatches, mode) or (
+        afd.is_ffn and ffn_server_problem("npu", pc.tensor_parallel_size, pc.data_parallel_size)
+    )
+    if problem:
+        raise AFDDeploymentError(problem)
 
 
 def _check_and_update_config(original, cls, vllm_config) -> None:

@@ -2,14 +2,17 @@
 deployment spec (afd_plugin.deploy.spec) for `afd launch`.
 
 A:F with m micro-batches becomes an attention server whose A data-parallel ranks are the
-attention ranks, and FFN ranks the point-to-point protocol can serve it with (f FFN ranks,
-f dividing A): with F <= A, one FFN server whose F data-parallel ranks are the FFN ranks
-(one expert group); with F > A, f FFN servers of F / f tensor-parallel devices each (CPU
-only: FFN tensor parallelism is rejected on CUDA and Ascend, docs/cuda.md). The first
-candidate of the plan that can run this way is written, the ones skipped named. Hosts are
-filled in the order given, FFN devices first (FFN rank 0's host holds the rendezvous), one
-device per rank or TP worker; a tensor-parallel server stays on one host. The file is
-checked as `afd launch` checks it before it is written.
+attention ranks, and the FFN servers the planner priced (afd_core.capabilities.ffn_layout,
+the table the servers' start-up check reads): one FFN server whose F data-parallel ranks
+are one expert group (with vLLM's --enable-expert-parallel where the platform runs it), F
+FFN servers of one rank each where the platform has no expert groups (Ascend), or FFN
+servers of several tensor-parallel devices each (F > A, CPU only). The first candidate of
+the plan that can run this way is written, the ones skipped named. Hosts are filled in the
+order given, FFN devices first (FFN rank 0's host holds the rendezvous), one device per
+rank or TP worker; a tensor-parallel server stays on one host; each host's device count
+is written, so servers sharing a host get disjoint devices. The file is checked as the
+servers will check it (check_spec) before it is written. `model` is the plan's model as
+given (a preset's name is a placeholder for the checkpoint's path).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from afd_core import topology
-from afd_core.topology import TopologyError
+from afd_core.capabilities import CapabilityError, FFNLayout, ffn_server_problem
+from afd_core.capabilities import ffn_layout as platform_ffn_layout
 from afd_plugin.deploy.spec import SpecError, check_spec
 
 API_PORTS = {"ffn": 8100, "attention": 8000}
@@ -45,13 +48,21 @@ def parse_host(text: str) -> PlanHost:
     return PlanHost(name, address, int(devices))
 
 
-def ffn_layout(a: int, f: int, platform: str) -> tuple[int, int]:
-    """(FFN ranks, tensor-parallel devices per FFN rank) for A:F, or SpecError why not
-    (afd_core.topology.ffn_layout: the rule the planner applies too)."""
+def ffn_layout(candidate, platform: str) -> FFNLayout:
+    """The FFN servers the planner priced for this candidate, or SpecError why `platform`
+    cannot run them (a plan made for another platform)."""
+    a, f = candidate.attention_devices, candidate.ffn_devices
+    layout = getattr(candidate, "layout", None)
     try:
-        return topology.ffn_layout(a, f, platform)
-    except TopologyError as exc:
+        layout = layout or platform_ffn_layout(a, f, platform)
+    except CapabilityError as exc:
         raise SpecError(str(exc)) from None
+    problem = ffn_server_problem(
+        platform, layout.tensor_parallel, layout.ranks_per_server, layout.expert_parallel
+    )
+    if problem:  # planned for another platform than the spec's
+        raise SpecError(f"{a}A{f}F: {problem}")
+    return layout
 
 
 class _Hosts:
@@ -92,12 +103,17 @@ def spec_toml(
     candidate, model: str, hosts: list[PlanHost], platform: str, rendezvous_port: int = 29650
 ) -> str:
     a, f = candidate.attention_devices, candidate.ffn_devices
-    ffn_ranks, tp = ffn_layout(a, f, platform)
+    layout = ffn_layout(candidate, platform)
     free = _Hosts(hosts)
-    if tp == 1:
-        ffn = [("ffn0", ffn_ranks, 1, free.spread(ffn_ranks))]
+    tp = layout.tensor_parallel
+    if layout.servers == 1:
+        dp = layout.ranks_per_server
+        ffn = [("ffn0", dp, tp, free.spread(dp) if tp == 1 else [(free.whole(tp), 1)])]
     else:
-        ffn = [(f"ffn{i}", 1, tp, [(free.whole(tp), 1)]) for i in range(ffn_ranks)]
+        ffn = [
+            (f"ffn{i}", 1, tp, [(free.whole(tp), 1)] if tp > 1 else free.spread(1))
+            for i in range(layout.servers)
+        ]
     servers = [("ffn", *s) for s in ffn] + [("attention", "attention0", a, 1, free.spread(a))]
     lines = [
         f"# written by `afd plan`: {a}A{f}F, m = {candidate.microbatches}, "
@@ -108,10 +124,16 @@ def spec_toml(
         f"rendezvous_port = {rendezvous_port}",
         "",
         "[afd]",
+        "# micro-batches per step: the attention servers' (an FFN server serves what they send)",
         f"num_microbatches = {candidate.microbatches}",
     ]
     for h in hosts:
-        lines += ["", f"[hosts.{json.dumps(h.name)}]", f"address = {json.dumps(h.address)}"]
+        lines += [
+            "",
+            f"[hosts.{json.dumps(h.name)}]",
+            f"address = {json.dumps(h.address)}",
+            f"devices = {h.devices}",
+        ]
     for i, (role, name, dp, tp_size, placed) in enumerate(servers):
         where = ", ".join(
             f"{{ host = {json.dumps(host)}, ranks = {ranks} }}" for host, ranks in placed
@@ -127,6 +149,9 @@ def spec_toml(
             f"data_parallel_rpc_port = {RPC_PORTS[role] + (i if role == 'ffn' else 0)}",
             f"hosts = [{where}]",
         ]
+        if role == "ffn" and layout.expert_parallel:
+            # the plan priced each expert on one device of the group (vLLM's EP)
+            lines.append('args = ["--enable-expert-parallel"]')
     return "\n".join(lines) + "\n"
 
 

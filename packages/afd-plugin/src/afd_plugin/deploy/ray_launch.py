@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from afd_plugin.deploy.launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
-from afd_plugin.deploy.spec import Deployment, HostCommand, SpecError, commands, load_spec
 from afd_plugin.deploy.servers import ServerError
+from afd_plugin.deploy.spec import Deployment, HostCommand, SpecError, commands, load_spec
 
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # Ray's names for the accelerators
 ACTOR_START_S = 300.0  # a Ray worker process to start and import afd_plugin, on a busy node

@@ -225,7 +225,9 @@ def _die_with_parent() -> None:
 
 class Server:
     base_env = BASE_ENV  # what every process gets (a local CPU server's defaults)
-    die_with_parent = False  # SIGTERM the server when its starter dies (afd_plugin.deploy.ray_launch)
+    die_with_parent = (
+        False  # SIGTERM the server when its starter dies (afd_plugin.deploy.ray_launch)
+    )
 
     def __init__(self, spec: ServerSpec, log_dir: Path):
         self.spec = spec

@@ -17,6 +17,8 @@ each host's `vllm serve` commands (afd_plugin.deploy.launch starts them).
     [hosts.a]
     address = "10.0.0.1"
     interface = "eth1"                  # optional: the interface of that address
+    devices = 8                         # optional: its GPUs/NPUs, placed per server
+    env = { NCCL_IB_HCA = "mlx5" }      # optional: this host's environment
 
     [[servers]]
     name = "ffn0"
@@ -29,15 +31,30 @@ each host's `vllm serve` commands (afd_plugin.deploy.launch starts them).
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
 
-from afd_core.config import ROLES, Str  # the afd config's roles and string rule
+from afd_core.config import (  # the afd config's roles and string rule
+    ROLES,
+    AFDConfigError,
+    Str,
+    parse_afd_config,
+)
+from afd_plugin.deploy import devices, server_check
 
 
 class SpecError(ValueError):
@@ -55,14 +72,32 @@ def _require_int(v: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_require_int)]
 
 
+_HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+
+
+def _address(v: str) -> str:
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        if not _HOST_NAME.match(v):
+            raise ValueError("expected an IP address or a host name (no port, no scheme)") from None
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class HostSpec(_Strict):
-    address: Str = Field(min_length=1)
+    address: Annotated[Str, AfterValidator(_address)]
     # the network interface holding `address`: vLLM's and AFD's groups bind to it
     interface: Str | None = None
+    # the host's accelerators: each server there gets its own of them (devices.py)
+    devices: Int | None = Field(default=None, ge=1)
+    env: dict[Str, Str] = Field(default_factory=dict)  # every process on this host
 
 
 class Placement(_Strict):
@@ -70,6 +105,8 @@ class Placement(_Strict):
 
     host: Str = Field(min_length=1)
     ranks: Int = Field(default=1, ge=1)
+    # the host's device numbers these ranks use (default: the next free ones)
+    devices: list[Annotated[int, BeforeValidator(_require_int), Field(ge=0)]] | None = None
 
 
 class ServerSpec(_Strict):
@@ -118,11 +155,15 @@ FIELD_HELP = {
     "rendezvous_port": "1..65535 (FFN rank 0's host listens there)",
     "secret_file": "a path to the deployment secret, the same on every host",
     "hosts": "a table of host names, each with an address",
+    "address": "an IP address or a host name",
     "servers": "a list of at least one attention and one FFN server",
 }
 
 # afd config keys the spec sets itself
 DERIVED_AFD_KEYS = ("role", "host", "port", "num_attention_ranks", "num_ffn_ranks", "start_rank")
+# [afd] keys that only attention servers take (an FFN server serves whatever micro-batches
+# its peers announce, and its start-up check refuses them)
+ATTENTION_AFD_KEYS = ("num_microbatches",)
 
 
 def _format(err: dict, raw: dict) -> SpecError:
@@ -148,7 +189,7 @@ def _format(err: dict, raw: dict) -> SpecError:
             f"deployment spec: {where} is missing" + (f"; allowed: {help_}" if help_ else "")
         )
     msg = err["msg"].removeprefix("Value error, ")
-    help_ = FIELD_HELP.get(where, "")
+    help_ = FIELD_HELP.get(where, FIELD_HELP.get(str(err["loc"][-1]), ""))
     return SpecError(
         f"deployment spec: {where}={value!r} is invalid: {msg}"
         + (f"; allowed: {help_}" if help_ else "")
@@ -175,6 +216,8 @@ class ServerPlan:
     spec: ServerSpec
     start_rank: int  # its role's rank of its first worker (attention) / DP rank (FFN)
     placements: list[Placement]
+    # per placement: the host's device numbers it runs on (None: all the host has)
+    devices: tuple[tuple[int, ...] | None, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -191,6 +234,12 @@ class Deployment:
     num_ffn_ranks: int
     rendezvous_host: str  # the host name of FFN rank 0
     notes: list[str] = field(default_factory=list)
+    # why devices could not be placed on bare hosts (afd launch refuses it), or None
+    unplaced_devices: str | None = None
+
+    def require_placed_devices(self) -> None:
+        if self.unplaced_devices:
+            raise SpecError(f"deployment spec: {self.unplaced_devices}")
 
     @property
     def rendezvous_address(self) -> str:
@@ -228,6 +277,12 @@ def check_spec(raw: dict) -> Deployment:
                 f"deployment spec: afd.{key} is set by the spec itself (from the servers "
                 f"and hosts); allowed in [afd]: the other afd config keys"
             )
+    for where, args in [
+        *((f"roles.{r}.args", d.args) for r, d in spec.roles.items()),
+        *((f"servers[{i}].args", s.args) for i, s in enumerate(spec.servers)),
+    ]:
+        if problem := server_check.owned_flag_problem(args):
+            raise SpecError(f"deployment spec: {where}: {problem}")
     used: dict[tuple[str, int], str] = {}
     plans, next_rank = [], {"attention": 0, "ffn": 0}
     for i, s in enumerate(spec.servers):
@@ -258,21 +313,24 @@ def check_spec(raw: dict) -> Deployment:
         if len(placements) > 1:
             ports.append(("data_parallel_rpc_port", s.data_parallel_rpc_port, head))
         for what, port, host in ports:
-            if (host, port) in used:
+            address = spec.hosts[host].address  # two host names may share one address
+            if (address, port) in used:
                 raise SpecError(
-                    f"deployment spec: {where} {what} {port} on host {host!r} is taken by "
-                    f"{used[(host, port)]}; allowed: a port no other server uses on that host"
+                    f"deployment spec: {where} {what} {port} on host {host!r} ({address}) is "
+                    f"taken by {used[(address, port)]}; allowed: a port no other server uses "
+                    "on that address"
                 )
-            used[(host, port)] = f"{s.name} ({what})"
+            used[(address, port)] = f"{s.name} ({what})"
         plan = ServerPlan(s, next_rank[s.role], placements)
         next_rank[s.role] += plan.ranks
         plans.append(plan)
     ffn0 = next(p for p in plans if p.spec.role == "ffn")
     rendezvous_host = ffn0.placements[0].host
-    if (rendezvous_host, spec.rendezvous_port) in used:
+    rendezvous = (spec.hosts[rendezvous_host].address, spec.rendezvous_port)
+    if rendezvous in used:
         raise SpecError(
             f"deployment spec: rendezvous_port={spec.rendezvous_port} on host "
-            f"{rendezvous_host!r} (FFN rank 0's) is taken by {used[(rendezvous_host, spec.rendezvous_port)]}"
+            f"{rendezvous_host!r} (FFN rank 0's) is taken by {used[rendezvous]}"
         )
     a, f = next_rank["attention"], next_rank["ffn"]
     if a < f:
@@ -281,7 +339,38 @@ def check_spec(raw: dict) -> Deployment:
             "allowed: at least as many attention ranks as FFN ranks (every FFN rank serves "
             "a block of one or more attention ranks)"
         )
-    return Deployment(spec, plans, a, f, rendezvous_host)
+    try:
+        plans, unplaced = devices.place(spec, plans)
+    except devices.PlacementError as exc:
+        raise SpecError(f"deployment spec: {exc}") from None
+    d = Deployment(spec, plans, a, f, rendezvous_host, unplaced_devices=unplaced)
+    _check_servers(d)
+    return d
+
+
+def _check_servers(d: Deployment) -> None:
+    """Every server's `afd` config and start-up rules, as the server will check them."""
+    platform = d.spec.platform
+    has_group = any(p.spec.role == "ffn" and p.spec.data_parallel_size > 1 for p in d.servers)
+    if problem := server_check.deployment_problem(d.spec.afd, has_group):
+        raise SpecError(f"deployment spec: [afd]: {problem}")
+    for i, plan in enumerate(d.servers):
+        s = plan.spec
+        where = f"servers[{i}] ({s.name}, {s.role})"
+        try:
+            afd = parse_afd_config(afd_config(d, plan), device_type=platform)
+        except AFDConfigError as exc:
+            raise SpecError(f"deployment spec: [afd] for {where}: {exc}") from None
+        args = [*d.spec.roles.get(s.role, RoleDefaults()).args, *s.args]
+        try:
+            flags = server_check.serve_flags(platform, _graph_flags(platform, args), args)
+        except ValueError as exc:
+            raise SpecError(f"deployment spec: {where}.args: {exc}") from None
+        problem = server_check.startup_problem(
+            afd, platform, flags, s.tensor_parallel_size, s.data_parallel_size
+        )
+        if problem:
+            raise SpecError(f"deployment spec: {where} would stop at start-up: {problem}")
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -306,8 +395,11 @@ class HostCommand:
 
 
 def afd_config(d: Deployment, plan: ServerPlan) -> dict:
+    shared = d.spec.afd
+    if plan.spec.role == "ffn":
+        shared = {k: v for k, v in shared.items() if k not in ATTENTION_AFD_KEYS}
     return {
-        **d.spec.afd,
+        **shared,
         "role": plan.spec.role,
         "host": d.rendezvous_address,
         "port": d.spec.rendezvous_port,
@@ -382,8 +474,11 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
                 env["HCCL_IF_IP"] = host.address  # HCCL's host-side socket (CANN)
             if d.spec.secret_file:
                 env["AFD_DEPLOYMENT_SECRET_FILE"] = d.spec.secret_file
-            env |= {**role.env, **s.env}
+            env |= {**host.env, **role.env, **s.env}
+            visible = plan.devices[k] if plan.devices else None
+            if visible is not None:
+                env[devices.VISIBLE_DEVICES[d.spec.platform]] = ",".join(map(str, visible))
             port = s.port if k == 0 else None
-            devices = s.tensor_parallel_size * p.ranks
-            out.append(HostCommand(p.host, s.name, argv, env, port, s.role, devices))
+            count = s.tensor_parallel_size * p.ranks
+            out.append(HostCommand(p.host, s.name, argv, env, port, s.role, count))
     return out
