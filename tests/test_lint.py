@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-TREES = ["packages", "tests", "benchmarks"]
+TREES = ["packages", "tests", "benchmarks", "docker"]
 
 
 def ruff() -> str:
