@@ -30,6 +30,7 @@ DOCS = [
     REPO / "CONTRIBUTING.md",
     *sorted((REPO / "docs").glob("*.md")),
     *sorted(REPO.glob("packages/*/README.md")),
+    REPO / "docker" / "README.md",
 ]
 SHELL = ("bash", "sh", "shell", "console")
 # commands the docs may show without this test parsing them (other projects' tools)
