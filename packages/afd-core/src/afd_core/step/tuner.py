@@ -10,15 +10,19 @@ attention compute, the exchanges and the waits for the FFN side, as the step eng
 them) per token, for each m, in buckets of steps alike (decode-only or not, total tokens
 in steps of about 1.41x).
 
-Per bucket it runs m = 1 a few times (`warmup`), then m = 2, and goes on to m + 1 only
-while the last m was faster than the one before: the step time over m falls while the
-overlap gains more than the extra exchanges cost and rises after, so past the first m that
-is slower, larger ones are slower still. Then it runs the m with the lowest moving average,
-changing m only for one at least `SWITCH_MARGIN` faster (so noise does not flip it); every
-`explore_every`-th step of a bucket re-measures a neighbour of that m (the one measured
-longest ago), so a change (longer contexts, a busier FFN rank) is followed, and a
-neighbour that becomes faster opens the next m to measuring. The cost: `warmup` steps for
-each m measured once (at least m = 1 and 2), then one step in `explore_every`.
+Per bucket it runs m = 1 for `warmup` + `window` steps, then m = 2 as many, and goes on to
+m + 1 only while the last m was faster than the one before: the step time over m falls
+while the overlap gains more than the extra exchanges cost and rises after, so past the
+first m that is slower, larger ones are slower still. The first `warmup` steps of each m
+are not measured (the first split steps of a size meet new shapes, allocator growth and
+kernel compiles, and one slow step must not rule an m out); an m's cost is the median of
+its last `window` measurements, so every m is compared on as many measurements as every
+other, and a slow step or two among them do not decide. Then it runs the m with the lowest
+cost, changing m only for one at least `SWITCH_MARGIN` faster (so noise does not flip it);
+every `explore_every`-th step of a bucket re-measures a neighbour of that m (the one
+measured longest ago), so a change (longer contexts, a busier FFN rank) is followed, and a
+neighbour that becomes faster opens the next m to measuring. The cost: `warmup` + `window`
+steps for each m measured once (at least m = 1 and 2), then one step in `explore_every`.
 
 A split is still at request boundaries (step/split.py), so every m gives the tokens a fixed
 m gives. Pure Python: unit-tested without vLLM.
@@ -27,13 +31,19 @@ m gives. Pure Python: unit-tested without vLLM.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-WARMUP_STEPS = 3  # measurements of each m in a bucket before choosing
+# the first steps of each m in a bucket, run but not measured: one-off costs (new shapes,
+# allocator growth, compiles) would count against the m that happened to meet them
+WARMUP_STEPS = 1
+# measurements of each m compared, the median of its last this many: two slow steps among
+# them (another process, a page fault) do not move it
+WINDOW = 5
 EXPLORE_EVERY = 50  # then one step in this many re-measures a neighbouring m
-SMOOTHING = 0.2  # weight of a new measurement in the moving average
 # another m replaces the one running only when this much faster: step times on a shared
 # machine move by a few percent from step to step, and each switch runs a slower m a while
 SWITCH_MARGIN = 0.03
@@ -47,9 +57,14 @@ def bucket_of(tokens_per_request: Sequence[int]) -> tuple[bool, int]:
 
 @dataclass
 class _Arm:
-    samples: int = 0
-    seconds_per_token: float = 0.0
-    last_step: int = 0  # the bucket's step count at the last measurement
+    steps: int = 0  # steps run at this m, warm-up included
+    # seconds per token of the last measured steps (a deque bounded to the window)
+    measured: deque[float] = field(default_factory=deque)
+    last_step: int = 0  # the bucket's step count at the last step run at this m
+
+    def seconds_per_token(self) -> float:
+        """The median of the last measurements (0 while none measured)."""
+        return statistics.median(self.measured) if self.measured else 0.0
 
 
 @dataclass
@@ -73,19 +88,19 @@ class MicrobatchTuner:
         self,
         max_microbatches: int,
         warmup: int = WARMUP_STEPS,
+        window: int = WINDOW,
         explore_every: int = EXPLORE_EVERY,
-        smoothing: float = SMOOTHING,
     ):
-        if max_microbatches < 1 or warmup < 1 or explore_every < 2 or not 0 < smoothing <= 1:
+        if max_microbatches < 1 or warmup < 0 or window < 1 or explore_every < 2:
             raise ValueError(
                 f"MicrobatchTuner(max_microbatches={max_microbatches}, warmup={warmup}, "
-                f"explore_every={explore_every}, smoothing={smoothing}): allowed >= 1, >= 1, "
-                ">= 2 and 0 < smoothing <= 1"
+                f"window={window}, explore_every={explore_every}): allowed >= 1, >= 0, >= 1 "
+                "and >= 2"
             )
         self.max_microbatches = max_microbatches
         self.warmup = warmup
+        self.window = window
         self.explore_every = explore_every
-        self.smoothing = smoothing
         self._buckets: dict[tuple[bool, int], _Bucket] = {}
         self._lock = threading.Lock()
 
@@ -97,15 +112,15 @@ class MicrobatchTuner:
             b = self._buckets.setdefault(key, _Bucket())
             b.steps += 1
             for m in candidates:
-                b.arms.setdefault(m, _Arm())
+                b.arms.setdefault(m, _Arm(measured=deque(maxlen=self.window)))
             m = self._pick(b, list(candidates))
         return Choice(key, m, sum(tokens_per_request))
 
     def _warm(self, b: _Bucket, m: int) -> bool:
-        return b.arms[m].samples >= self.warmup
+        return len(b.arms[m].measured) == self.window
 
     def _cost(self, b: _Bucket, m: int) -> float:
-        return b.arms[m].seconds_per_token
+        return b.arms[m].seconds_per_token()
 
     def _measured(self, b: _Bucket, candidates: list[int]) -> tuple[list[int], int | None]:
         """(the m measured enough, the next m to measure or None): m = 1, 2, then m + 1
@@ -122,10 +137,9 @@ class MicrobatchTuner:
         measured, next_m = self._measured(b, candidates)
         if next_m is not None:
             return next_m
-        best = min(measured, key=lambda m: self._cost(b, m))
-        if b.running in measured and self._cost(b, best) > self._cost(b, b.running) * (
-            1 - SWITCH_MARGIN
-        ):
+        cost = {m: self._cost(b, m) for m in measured}
+        best = min(measured, key=cost.get)
+        if b.running in measured and cost[best] > cost[b.running] * (1 - SWITCH_MARGIN):
             best = b.running
         b.running = best
         if b.steps % self.explore_every == 0:
@@ -138,16 +152,13 @@ class MicrobatchTuner:
         """The forward time of the step `choice` was made for."""
         if seconds <= 0 or choice.tokens <= 0:
             return
-        per_token = seconds / choice.tokens
         with self._lock:
             b = self._buckets[choice.bucket]
             arm = b.arms[choice.microbatches]
-            if arm.samples == 0:
-                arm.seconds_per_token = per_token
-            else:
-                arm.seconds_per_token += self.smoothing * (per_token - arm.seconds_per_token)
-            arm.samples += 1
+            arm.steps += 1
             arm.last_step = b.steps
+            if arm.steps > self.warmup:
+                arm.measured.append(seconds / choice.tokens)
 
     def best(self, tokens_per_request: Sequence[int]) -> int | None:
         """The m this tuner would run for such a step once measured (None: not yet)."""
@@ -162,13 +173,14 @@ class MicrobatchTuner:
             return min(measured, key=lambda m: self._cost(b, m))
 
     def as_dict(self) -> dict:
-        """Per bucket: steps seen, and per m the samples and microseconds per token."""
+        """Per bucket: steps seen, and per m the steps run at it (warm-up included) and its
+        microseconds per token (0 while none measured)."""
         with self._lock:
             return {
                 f"{'decode' if decode else 'mixed'}~{2 ** (size / 2):.0f}": {
                     "steps": b.steps,
                     "by_microbatches": {
-                        str(m): [a.samples, round(a.seconds_per_token * 1e6, 2)]
+                        str(m): [a.steps, round(a.seconds_per_token() * 1e6, 2)]
                         for m, a in sorted(b.arms.items())
                     },
                 }
