@@ -55,6 +55,12 @@ def bucket_of(tokens_per_request: Sequence[int]) -> tuple[bool, int]:
     return all(t == 1 for t in tokens_per_request), round(2 * math.log2(total))
 
 
+def bucket_name(bucket: tuple[bool, int]) -> str:
+    """A bucket as `as_dict` names it: "decode~64", "mixed~181"."""
+    decode, size = bucket
+    return f"{'decode' if decode else 'mixed'}~{2 ** (size / 2):.0f}"
+
+
 @dataclass
 class _Arm:
     steps: int = 0  # steps run at this m, warm-up included
@@ -177,12 +183,12 @@ class MicrobatchTuner:
         microseconds per token (0 while none measured)."""
         with self._lock:
             return {
-                f"{'decode' if decode else 'mixed'}~{2 ** (size / 2):.0f}": {
+                bucket_name(key): {
                     "steps": b.steps,
                     "by_microbatches": {
                         str(m): [a.steps, round(a.seconds_per_token() * 1e6, 2)]
                         for m, a in sorted(b.arms.items())
                     },
                 }
-                for (decode, size), b in sorted(self._buckets.items())
+                for key, b in sorted(self._buckets.items())
             }
