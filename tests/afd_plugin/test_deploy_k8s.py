@@ -772,6 +772,15 @@ def test_on_nccl_and_hccl_the_deployment_restarts_as_one(platform, gang):
     hashes = {pod["metadata"].get("annotations", {}).get(DEPLOYMENT_HASH) for _, _, pod in pods}
     if not gang:
         assert hashes == {None}
+        # a second FFN server (FFN rank 1) cannot come back alone while rank 0 runs
+        raw["servers"].insert(1, {**raw["servers"][0], "name": "ffn1", "port": 8101})
+        raw["servers"][1]["hosts"] = "g1"
+        budgets = {
+            d["metadata"]["name"]: d["spec"]["maxUnavailable"]
+            for d in _docs(raw)
+            if d["kind"] == "PodDisruptionBudget"
+        }
+        assert budgets == {"afd-test-ffn0": 1, "afd-test-ffn1": 0, "afd-test-attention0": 1}
         return
     (digest,) = hashes  # one digest on every pod template
     assert re.fullmatch("[0-9a-f]{16}", digest)

@@ -681,13 +681,15 @@ def _templates(workloads: list[dict]) -> Iterator[dict]:
 def _disruption_budget(names: _Names, plan: ServerPlan, gang: bool) -> dict:
     """No voluntary disruption (a drain, an eviction) of a gang deployment's pods: one
     lost pod can stop it all, so it is restarted as a whole, by hand (docs/deploy.md). On
-    gloo one pod of a server at a time."""
+    gloo one pod of a server at a time, but none of an FFN server without FFN rank 0,
+    whose restart is refused while rank 0 runs (docs/protocol.md)."""
+    alone = not gang and (plan.spec.role == "attention" or plan.start_rank == 0)
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": names.meta(names.server(plan), plan),
         "spec": {
-            "maxUnavailable": 0 if gang else 1,
+            "maxUnavailable": 1 if alone else 0,
             "selector": {"matchLabels": names.labels(plan)},
         },
     }
