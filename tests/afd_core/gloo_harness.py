@@ -71,9 +71,13 @@ def make(
     # afd_core/nccl_standin.py), so a protocol test runs unchanged over an issue-ordered channel
     device_connector = os.environ.get("AFD_TEST_CONNECTOR")
     device_type = {"nccl": "cuda", "hccl": "npu"}.get(device_connector, "cpu")
-    extra = {"timeout_s": timeout, "connect_timeout_s": connect_timeout}
-    if os.environ.get("AFD_TEST_STARTUP_TIMEOUT_S"):
-        extra["startup_timeout_s"] = float(os.environ["AFD_TEST_STARTUP_TIMEOUT_S"])
+    # start-up's bound (the wait for peers that are still loading, start-up steps): the
+    # connect timeout here, where every process starts at once, unless a test sets it
+    extra = {
+        "timeout_s": timeout,
+        "connect_timeout_s": connect_timeout,
+        "startup_timeout_s": float(os.environ.get("AFD_TEST_STARTUP_TIMEOUT_S", connect_timeout)),
+    }
     cfg = parse_afd_config(
         {
             "connector": device_connector if device_type != "cpu" else "gloo",

@@ -110,6 +110,7 @@ def lone_attention(port, timeout, connect_timeout, q):
                 "connector_extra_config": {
                     "timeout_s": timeout,
                     "connect_timeout_s": connect_timeout,
+                    "startup_timeout_s": connect_timeout + 1,  # the wait for FFN rank 0
                 },
             },
             device_type="cpu",

@@ -309,3 +309,59 @@ def test_an_ffn_rank_serves_two_attention_servers_without_waiting_for_the_idle_o
     plans = results["ffn"]
     assert plans[: len(busy)] == [(0,)] * len(busy), plans  # rank 0's steps, alone
     assert plans[len(busy) :] == [(1,), (1,)], plans
+
+
+LATE_S = 6.0  # FFN rank 0 starts this long after attention rank 0, attention rank 1 as long again
+SHORT_CONNECT_S = 2.0
+
+
+def late_rank(role, rank, delay, port, q):
+    """One rank of 2A1F that starts `delay` seconds late, with a connect timeout far below
+    that delay; reports how it ended and the progress lines it logged while waiting."""
+    import logging
+
+    import afd_core.connectors.rendezvous as rendezvous
+
+    rendezvous.PROGRESS_EVERY_S = 2.0  # say it often here (30 s in a server)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vllm.afd_core").addHandler(handler)
+    logging.getLogger("vllm.afd_core").setLevel(logging.INFO)
+    time.sleep(delay)
+    try:
+        conn = make(role, rank, 2, 1, port, connect_timeout=SHORT_CONNECT_S)
+        conn.init()
+        conn.close()
+        out = "connected"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out = f"{type(exc).__name__}: {exc}"
+    q.put(((role, rank), (out, [line for line in lines if "waiting" in line])))
+
+
+def test_an_ffn_server_that_loads_long_past_the_connect_timeout_is_joined(monkeypatch):
+    """Issue 35, start-up for large models: attention ranks wait for FFN rank 0's
+    rendezvous, and for the roll call, under startup_timeout_s (not connect_timeout_s),
+    logging whom they wait for; an FFN server that comes 5x the connect timeout late is
+    joined, and so is an attention server that comes later still."""
+    monkeypatch.setenv("AFD_TEST_STARTUP_TIMEOUT_S", "60")
+    port = free_port()
+    results = run_processes(
+        [
+            (late_rank, "attention", 0, 0.0, port),
+            (late_rank, "ffn", 0, LATE_S, port),
+            (late_rank, "attention", 1, 2 * LATE_S, port),  # the roll call waits for it
+        ],
+        timeout=120,
+    )
+    assert {k: out for k, (out, _) in results.items()} == {
+        ("attention", 0): "connected",
+        ("attention", 1): "connected",
+        ("ffn", 0): "connected",
+    }
+    early = results[("attention", 0)][1]
+    assert any("waiting for FFN rank 0's rendezvous" in line for line in early), early
+    ffn = results[("ffn", 0)][1]
+    for lines in (early, ffn):  # then in the roll call, naming the rank still missing
+        assert any("for attention rank 1 to join" in line for line in lines), lines
+        assert all("giving up in" in line and "(startup_timeout_s)" in line for line in lines)

@@ -669,6 +669,30 @@ def test_a_pod_patch_merges_into_every_pod_of_its_role_as_kubernetes_would():
         assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "64Gi" and "cache" in volumes
 
 
+def test_the_specs_pod_patch_is_merged_first_then_the_command_lines():
+    """[roles.attention] pod_patch in the spec: the same patch as a --pod-patch file, merged
+    before the files (a file's tolerations replace the spec's)."""
+    raw = spec_cuda()
+    raw["roles"]["attention"]["pod_patch"] = RDMA_PATCH
+    from_spec = {(n, p): pod for n, p, pod in _pods(_docs(raw))}
+    from_file = {
+        (n, p): pod
+        for n, p, pod in _pods(
+            _docs(spec_cuda(), dataclasses.replace(OPTS, pod_patches={"attention": (RDMA_PATCH,)}))
+        )
+    }
+    for key in (("afd-test-attention0", "head"), ("afd-test-attention0", "worker")):
+        assert from_spec[key]["spec"] == from_file[key]["spec"]
+    later = {"spec": {"tolerations": [{"key": "x", "operator": "Exists"}]}}
+    both = _docs(raw, dataclasses.replace(OPTS, pod_patches={"attention": (later,)}))
+    pod = {(n, p): pod for n, p, pod in _pods(both)}[("afd-test-attention0", "head")]
+    assert pod["spec"]["tolerations"] == later["spec"]["tolerations"]
+    assert pod["spec"]["nodeSelector"] == RDMA_PATCH["spec"]["nodeSelector"]
+    raw["roles"]["attention"]["pod_patch"] = {"kind": "Pod"}
+    with pytest.raises(SpecError, match=r"roles.attention.pod_patch.kind"):
+        _docs(raw)
+
+
 def test_strategic_merge_keys_directives_and_refusals():
     base = {"spec": {"containers": [{"name": "a", "ports": [{"containerPort": 1, "name": "x"}]}]}}
     patch = {

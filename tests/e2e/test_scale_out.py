@@ -57,7 +57,12 @@ def test_a_missing_ffn_server_fails_every_server_naming_the_rank(checkpoints, lo
         log_dir,
         attention=[1, 1],
         ffn=[1, 1],
-        afd_extra={"connector_extra_config": {"connect_timeout_s": CONNECT_TIMEOUT_S}},
+        afd_extra={
+            "connector_extra_config": {
+                "connect_timeout_s": CONNECT_TIMEOUT_S,
+                "startup_timeout_s": CONNECT_TIMEOUT_S,  # the wait for ranks still loading
+            }
+        },
         tag=f"{ARCH}-missing-",
     )
     # only FFN rank 0 and attention rank 0 start (two servers keep this test short)

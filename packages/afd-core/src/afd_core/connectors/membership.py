@@ -44,16 +44,19 @@ class StartupMembership:
         if self._transport is not None:
             return
         transport = self.make_transport(self.group, self.group_rank, self.group_size)
-        deadline = time.monotonic() + self.config.extra().connect_timeout_s
+        extra = self.config.extra()
+        # the others may still be loading their weights: start-up's bound, not connect's
+        formation = time.monotonic() + max(extra.startup_timeout_s, extra.connect_timeout_s)
         try:
             transport.open_store()
         except TransportError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
         if transport.store_try_get(FORMED_KEY) is not None:
-            self._rejoin(transport, deadline)  # the deployment runs: this rank was restarted
+            # the deployment runs: this rank was restarted
+            self._rejoin(transport, time.monotonic() + extra.connect_timeout_s)
         else:
             try:
-                self._connect(transport, deadline)
+                self._connect(transport, formation)
             except AFDPeerError:
                 self._leave_failed_start_up(transport)
                 raise
@@ -87,6 +90,8 @@ class StartupMembership:
             logger.debug("AFD %s: start-up failure not acknowledged", self._me())
 
     def _connect(self, transport: Transport, deadline: float) -> None:
+        """`deadline`: until when the roll call waits for the deployment's other ranks
+        (their servers may still be loading); connecting after it, connect_timeout_s."""
         extra = self.config.extra()
         self._roll_call(transport, extra.connect_timeout_s)
         try:
@@ -98,6 +103,7 @@ class StartupMembership:
                 self.topology.world_size,
                 deadline - time.monotonic(),
                 fail_key=FAILED_KEY,
+                progress=lambda waited: self._say_waiting(transport, waited, deadline),
             )
             transport.join_group(fail_key=FAILED_KEY)
         except TransportError as exc:
@@ -110,7 +116,7 @@ class StartupMembership:
             transport.barrier(
                 "afd/ready",
                 self.topology.world_size,
-                deadline - time.monotonic(),
+                extra.connect_timeout_s,  # every rank is here: they only connect
                 fail_key=FAILED_KEY,
             )
         except TransportError as exc:
@@ -190,6 +196,17 @@ class StartupMembership:
             "AFD handshake failed: "
             + "; ".join(diffs)
             + " (every server of a deployment needs the same afd shape and model)"
+        )
+
+    def _say_waiting(self, transport: Transport, waited: float, deadline: float) -> None:
+        missing = self.missing_ranks(transport)
+        logger.info(
+            "AFD %s: waiting %.0f s for %s to join (their servers may still be loading); "
+            "giving up in %.0f s (startup_timeout_s)",
+            self._me(),
+            waited,
+            ", ".join(missing) or "the ranks that claimed their place to check in",
+            deadline - time.monotonic(),
         )
 
     def missing_ranks(self, transport: Transport) -> list[str]:

@@ -30,14 +30,18 @@ class GlooOptions(BaseModel):
 
     # Longest wait for a peer (rendezvous, a control message, one layer's tensors).
     timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
-    # Longest wait for every rank to join the rendezvous at start-up. Servers finish loading
-    # at different times: raise it when one side loads a large model much later.
+    # Longest wait to connect once the peers are there: a group's channels, the handshake,
+    # a restarted rank's rejoin.
     connect_timeout_s: Seconds = Field(default=120.0, gt=0, le=3600)
-    # Longest wait for a peer within one start-up step (vLLM's profiling run, compile
-    # warm-up, graph captures: everything before the attention server serves). The first
-    # forward compiles (torch.compile, Triton and kernel JIT), which can take many minutes
-    # on a large model with a cold cache; it replaces timeout_s for those steps when longer.
-    startup_timeout_s: Seconds = Field(default=1800.0, gt=0, le=86400)
+    # Start-up's own bound, for what a large model makes long:
+    # - the wait for the rendezvous and for every rank of the deployment, while the other
+    #   servers still load their weights (an FFN server loads ~650 GB of DeepSeek-V3's
+    #   experts: 1,300 s at 500 MB/s, longer from slow network storage);
+    # - each start-up step (vLLM's profiling run, compile warm-up, graph captures: everything
+    #   before the attention server serves), whose first forward compiles (torch.compile,
+    #   Triton and kernel JIT), minutes on a large model with a cold cache; it replaces
+    #   timeout_s for those steps when longer.
+    startup_timeout_s: Seconds = Field(default=3600.0, gt=0, le=86400)
 
 
 class NcclOptions(GlooOptions):

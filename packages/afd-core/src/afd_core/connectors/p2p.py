@@ -134,7 +134,7 @@ class PointToPointConnector(
 
     def _build_transport(self, group, group_rank, group_size, store_master, connect_scale):
         extra = self.config.extra()
-        return self.new_transport(
+        transport = self.new_transport(
             self.config.host,
             self.config.port,
             group,
@@ -144,6 +144,11 @@ class PointToPointConnector(
             timeout_s=extra.timeout_s,
             connect_timeout_s=extra.connect_timeout_s * connect_scale,
         )
+        # FFN rank 0 opens the rendezvous only after loading its weights: waiting for it is
+        # start-up's bound (a side group's members start together: connect's)
+        if connect_scale == 1.0:
+            transport.formation_timeout_s = max(extra.startup_timeout_s, extra.connect_timeout_s)
+        return transport
 
     def _bound_step(self, flags) -> None:
         """Bound this step's waits: a start-up step (STARTUP: the attention server's

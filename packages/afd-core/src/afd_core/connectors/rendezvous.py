@@ -22,8 +22,10 @@ import socket
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 
-from afd_core.connectors.transport import Handle, Transport, TransportError
+from afd_core.connectors.transport import PROGRESS_EVERY_S, Handle, Transport, TransportError
+from afd_core.log import get_logger
 from afd_core.net import connect_to
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
@@ -37,6 +39,7 @@ STORE_ATTEMPT_S = 3.0  # one attempt to reach the rendezvous store
 # how long FFN rank 0 retries a rendezvous port that is in use: long enough for a peer's
 # momentary connection to itself on that port (see connect_to) to end, short enough that a
 # port held by another process is named at once
+logger = get_logger(__name__)
 BIND_RETRY_S = 5.0
 CONTROL_TAG, STATUS_TAG = 0, 1  # control channel: attention -> FFN steps, FFN -> attention status
 FIRST_WORD_TAG = 1 << 30  # a pair's first word each way at start-up; no other tag comes near
@@ -74,7 +77,10 @@ class StoreTransport(Transport):
 
         from afd_core.connectors.gate import deployment_secret
 
-        self._deadline = time.monotonic() + self.connect_timeout_s
+        wait_s = self.formation_timeout_s or self.connect_timeout_s
+        started = time.monotonic()
+        self._deadline = started + wait_s
+        self._waiting_since, self._said = started, started  # for the progress lines
         secret = deployment_secret()
         if secret is not None:
             self._open_gated_store(secret)
@@ -89,6 +95,7 @@ class StoreTransport(Transport):
             attempt = remaining if self.is_store_master else min(remaining, STORE_ATTEMPT_S)
             listening = self.is_store_master or _listening(self.host, self.port)
             if not listening and remaining > 0.5:
+                self._say_waiting()
                 time.sleep(0.2)  # not up yet: wait quietly (TCPStore logs every failure)
                 continue
             listen_fd = None
@@ -115,7 +122,7 @@ class StoreTransport(Transport):
                     time.sleep(0.2)
                     continue
                 what = "listen on" if self.is_store_master else "reach FFN rank 0's rendezvous at"
-                within = "" if self.is_store_master else f" within {self.connect_timeout_s:.0f}s"
+                within = "" if self.is_store_master else f" within {wait_s:.0f}s"
                 hint = (
                     "check afd.host/afd.port (another process may hold the port)"
                     if self.is_store_master
@@ -126,6 +133,22 @@ class StoreTransport(Transport):
                     f"{str(exc).splitlines()[0][:200]}); {hint}"
                 ) from None
         self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+
+    def _say_waiting(self) -> None:
+        """Every PROGRESS_EVERY_S: that this rank still waits for FFN rank 0's rendezvous
+        (its server may still be loading its weights), and for how much longer."""
+        now = time.monotonic()
+        if now - self._said < PROGRESS_EVERY_S:
+            return
+        self._said = now
+        logger.info(
+            "AFD: waiting for FFN rank 0's rendezvous at %s:%d for %.0f s (its server may still "
+            "be loading); giving up in %.0f s (startup_timeout_s)",
+            self.host,
+            self.port,
+            now - self._waiting_since,
+            self._deadline - now,
+        )
 
     def _listen_rendezvous(self) -> socket.socket:
         """FFN rank 0's listener on afd.host:afd.port, retried for BIND_RETRY_S while the
@@ -143,6 +166,7 @@ class StoreTransport(Transport):
         from afd_core.connectors.gate import SECRET_ENV, SECRET_FILE_ENV, gate_greets
 
         while not _listening(self.host, self.port) and time.monotonic() < self._deadline:
+            self._say_waiting()
             time.sleep(0.2)
         if gate_greets(self.host, self.port):
             raise TransportError(
@@ -199,9 +223,10 @@ class StoreTransport(Transport):
                     forwarder.close()
                     raise TransportError(
                         f"could not reach FFN rank 0's rendezvous at {self.host}:{self.port} "
-                        f"within {self.connect_timeout_s:.0f}s ({exc}); check afd.host/afd.port "
-                        "and that the FFN server is started"
+                        f"within {self._deadline - self._waiting_since:.0f}s ({exc}); check "
+                        "afd.host/afd.port and that the FFN server is started"
                     ) from None
+                self._say_waiting()
                 time.sleep(0.2)
         self._door = forwarder
         self._store = dist.TCPStore(
@@ -230,9 +255,16 @@ class StoreTransport(Transport):
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
 
-    def barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None = None) -> None:
+    def barrier(
+        self,
+        key: str,
+        count: int,
+        timeout_s: float,
+        fail_key: str | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         try:
-            self._barrier(key, count, timeout_s, fail_key)
+            self._barrier(key, count, timeout_s, fail_key, progress)
         except TransportError:
             raise
         except Exception as exc:  # the store went away: FFN rank 0's process stopped
@@ -241,12 +273,16 @@ class StoreTransport(Transport):
                 f"{key!r} (FFN rank 0 stopped: {type(exc).__name__})"
             ) from None
 
-    def _barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None) -> None:
-        deadline = time.monotonic() + max(timeout_s, 1.0)
+    def _barrier(self, key, count, timeout_s, fail_key, progress) -> None:
+        started = time.monotonic()
+        deadline, said = started + max(timeout_s, 1.0), started
         self._store.add(key, 1)
         while (n := self._store.add(key, 0)) < count:
             if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
                 raise TransportError(reason.decode())
+            if progress is not None and time.monotonic() - said >= PROGRESS_EVERY_S:
+                said = time.monotonic()
+                progress(said - started)
             if time.monotonic() > deadline:
                 raise TransportError(
                     f"only {n} of {count} AFD ranks reached {key!r} at the rendezvous "

@@ -12,11 +12,15 @@ be touched by the caller until its handle completed. The blocking calls are thin
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+PROGRESS_EVERY_S = 30.0  # a start-up wait says whom it waits for this often
 
 
 class TransportError(RuntimeError):
@@ -41,6 +45,9 @@ class Completed(Handle):
 
 class Transport(ABC):
     hosts_store = False  # True on the rank whose process holds the rendezvous store
+    # how long open_store waits for the rendezvous (FFN rank 0 may still be loading its
+    # weights): the connector's startup_timeout_s; None: connect_timeout_s
+    formation_timeout_s: float | None = None
 
     def connect(self) -> None:
         self.open_store()
@@ -73,9 +80,17 @@ class Transport(ABC):
         """The value of `key`, or None if it is not set; never waits."""
 
     @abstractmethod
-    def barrier(self, key: str, count: int, timeout_s: float, fail_key: str | None = None) -> None:
+    def barrier(
+        self,
+        key: str,
+        count: int,
+        timeout_s: float,
+        fail_key: str | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         """Wait until `count` ranks of the deployment reached `key` in the rendezvous store;
-        TransportError at once, with its value, if another rank sets `fail_key`."""
+        TransportError at once, with its value, if another rank sets `fail_key`.
+        `progress(seconds waited)` runs every PROGRESS_EVERY_S while it waits."""
 
     @abstractmethod
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...

