@@ -78,6 +78,8 @@ def make(
         "connect_timeout_s": connect_timeout,
         "startup_timeout_s": float(os.environ.get("AFD_TEST_STARTUP_TIMEOUT_S", connect_timeout)),
     }
+    if os.environ.get("AFD_TEST_LIVENESS_S"):
+        extra["liveness_timeout_s"] = float(os.environ["AFD_TEST_LIVENESS_S"])
     cfg = parse_afd_config(
         {
             "connector": device_connector if device_type != "cpu" else "gloo",

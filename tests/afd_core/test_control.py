@@ -9,6 +9,7 @@ from afd_core.connectors.control import (
     ControlMessage,
     Expectation,
     decode,
+    is_heartbeat,
 )
 
 EXP = Expectation(sender_rank=1, hidden_size=64, dtype="float32", max_tokens=256)
@@ -40,6 +41,14 @@ def test_shutdown_round_trip():
     assert out.is_shutdown and out.tokens == ()
 
 
+def test_heartbeat_round_trip():
+    m = msg(tokens=(), flags=ControlFlag.HEARTBEAT)
+    words = m.encode()
+    assert is_heartbeat(words) and not is_heartbeat(msg().encode())
+    out = decode(words, EXP)
+    assert out.is_heartbeat and not out.is_shutdown and out.tokens == ()
+
+
 def corrupt(index, value):
     words = msg().encode()
     words[index] = value
@@ -50,10 +59,10 @@ def corrupt(index, value):
     "words,match",
     [
         (corrupt(0, 0x1234), "bad magic 0x1234"),
-        (corrupt(1, 1), "protocol version 1, this rank speaks 3"),
+        (corrupt(1, 1), "protocol version 1, this rank speaks 4"),
         (corrupt(2, 0), "says it comes from attention rank 0"),
-        (corrupt(4, 64), "unknown flags 0x40"),
-        (corrupt(4, 64), "unknown flags 0x40"),
+        (corrupt(4, 128), "unknown flags 0x80"),
+        (corrupt(4, 64), "a <ControlFlag.HEARTBEAT: 64> message carries rows"),
         (corrupt(5, 0), "num_microbatches=0; allowed 1..4"),
         (corrupt(5, 9), "num_microbatches=9"),
         (corrupt(6, 128), "hidden_size=128, but this FFN rank's model has hidden_size=64"),

@@ -54,6 +54,14 @@ def ffn(port, marks, incarnation, q):
                 os.kill(os.getpid(), signal.SIGSTOP)  # alive, sockets open, silent
             return h * 2 + layer
 
+        def stop_when_idle():  # "idle-hang": stopped between steps, its links silent
+            wait_for(marks / "idle-hang", WAIT_S)
+            time.sleep(0.5)  # the step in flight (if any) ends
+            (marks / "hung").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        if incarnation == 0 and (marks / "how-idle-hang").exists():
+            threading.Thread(target=stop_when_idle, daemon=True).start()
         server = FFNStepServer(conn, list(range(LAYERS)), compute)
         server.serve(threading.Event())
         out = {
@@ -70,7 +78,9 @@ def ffn(port, marks, incarnation, q):
 def attention(rank, port, marks, how, q):
     """Attention server `rank` (one rank each): steps until it has been served SERVED_AGAIN
     steps after its FFN rank came back. Server 0 sets the FFN's failure off after 3 steps;
-    with "hang", it resumes the FFN process once both servers lost it."""
+    with "hang", it resumes the FFN process once both servers lost it. With "idle-hang" the
+    FFN process stops between steps: both servers stay idle until their heartbeats find
+    it silent (its loss comes without a step), then go on as with "hang"."""
     try:
         from afd_core.connectors.base import AFDFFNLostError
 
@@ -78,13 +88,18 @@ def attention(rank, port, marks, how, q):
             "attention", rank, 2, 1, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=rank
         )
         conn.init()
-        outcomes, lost_at, back_after, refused_s = [], None, None, []
+        outcomes, lost_at, back_after, refused_s, detected_s = [], None, None, [], None
         deadline = time.monotonic() + WAIT_S
         while outcomes[-SERVED_AGAIN:] != ["ok"] * SERVED_AGAIN or lost_at is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"attention {rank}: not served again: {outcomes}")
             if rank == 0 and outcomes == ["ok"] * 3:
                 (marks / how).touch()
+            if how == "idle-hang" and (marks / how).exists() and lost_at is None:
+                idle_from = time.monotonic()
+                while conn._ffn_lost is None and time.monotonic() < deadline:
+                    time.sleep(0.05)  # idle: only the heartbeats can tell
+                detected_s = time.monotonic() - idle_from
             t0 = time.monotonic()
             try:
                 outcomes.append(
@@ -101,7 +116,7 @@ def attention(rank, port, marks, how, q):
                 outcomes.append("lost")
                 peer_up = dict(conn.metrics.peer_up)
             both_lost = (marks / "lost0").exists() and (marks / "lost1").exists()
-            if how == "hang" and rank == 0 and (marks / "hung").exists() and both_lost:
+            if how != "crash" and rank == 0 and (marks / "hung").exists() and both_lost:
                 os.kill(int((marks / "hung").read_text()), signal.SIGCONT)
                 (marks / "hung").unlink()
             time.sleep(0.05)
@@ -118,6 +133,7 @@ def attention(rank, port, marks, how, q):
                     "slowest_refusal_s": max(refused_s, default=0.0),
                     "back_after_s": back_after,
                     "counters": dict(conn.metrics.counters),
+                    "detected_s": detected_s,
                 },
             )
         )
@@ -130,13 +146,18 @@ def _collapse(outcomes: list[str]) -> list[str]:
     return [o for i, o in enumerate(outcomes) if i == 0 or outcomes[i - 1] != o]
 
 
+LIVENESS_S = 3.0
+
+
 @pytest.mark.parametrize("connector", ["gloo", "nccl"])
-@pytest.mark.parametrize("how", ["crash", "hang"])
+@pytest.mark.parametrize("how", ["crash", "hang", "idle-hang"])
 def test_the_attention_servers_outlive_their_ffn_server_and_are_served_again(
     how, connector, tmp_path, monkeypatch
 ):
     if connector == "nccl":
         monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_LIVENESS_S", str(LIVENESS_S))
+    (tmp_path / f"how-{how}").touch()
     port = free_port()
     targets = [
         (ffn, port, tmp_path, 0),
@@ -162,7 +183,10 @@ def test_the_attention_servers_outlive_their_ffn_server_and_are_served_again(
         )
     served_by = out["ffn1"] if how == "crash" else out["ffn0"]
     assert served_by["afd/failed"] is None
-    if how == "hang":  # the resumed FFN rank dropped both and took them back
+    if how == "idle-hang":  # issue 36 (review M4): found by the heartbeats, within the bound
+        for rank in (0, 1):
+            assert out[rank]["detected_s"] < LIVENESS_S + 2, out[rank]
+    if how != "crash":  # the resumed FFN rank dropped both and took them back
         assert sorted(served_by["lost"]) == [0, 1] and sorted(served_by["rejoined"]) == [0, 1]
     else:  # a fresh deployment: nobody lost or rejoined from its point of view
         assert served_by["lost"] == [] and served_by["rejoined"] == []

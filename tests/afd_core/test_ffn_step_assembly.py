@@ -52,7 +52,7 @@ class BlockingTransport:
     def __init__(self, fail=None):
         self.fail = fail
 
-    def irecv_control(self, buf, peer):
+    def irecv_control(self, buf, peer, bound_s=None):
         fail = self.fail
 
         class Handle:

@@ -66,13 +66,15 @@ def steady_server(port, marks, q):
             "attention", 0, 2, 1, port, layers=LAYERS, timeout=ATTENTION_TIMEOUT_S, start_rank=0
         )
         conn.init()
-        outcome = []
+        outcome, slowest = [], 0.0
         deadline = time.monotonic() + WAIT_S
         while not (marks / "again-done").exists() and time.monotonic() < deadline:
+            t0 = time.monotonic()
             outcome.append(checked_step(conn, 0, len(outcome), LAYERS))
+            slowest = max(slowest, time.monotonic() - t0)
             time.sleep(0.01)
         conn.close()
-        q.put((0, {"steps": len(outcome), "wrong": outcome.count(False)}))
+        q.put((0, {"steps": len(outcome), "wrong": outcome.count(False), "slowest": slowest}))
     except Exception:
         q.put((0, "ERROR " + traceback.format_exc()))
 
@@ -80,7 +82,9 @@ def steady_server(port, marks, q):
 def first_server(die_at, port, marks, q):
     """Attention server 1, first process. die_at: (step, layer) where it exits at once, a
     layer's rows sent and its answer not awaited; ("hang", step, layer): there it stops
-    (SIGSTOP: alive, its sockets open, silent); or ("leave", n): a goodbye after n steps."""
+    (SIGSTOP: alive, its sockets open, silent); ("idle-stop", n): it stops so after n
+    steps, between steps (idle: only its heartbeats would say it is alive); or ("leave",
+    n): a goodbye after n steps."""
     import torch
 
     try:
@@ -94,6 +98,9 @@ def first_server(die_at, port, marks, q):
                 (marks / "first-gone").touch()
                 q.put(("first", "left"))
                 return
+            if die_at == ("idle-stop", step):
+                (marks / "first-gone").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
             conn.begin_step((3,))
             h = torch.full((3, HIDDEN), float(step))
             for layer in range(LAYERS):
@@ -172,6 +179,33 @@ def junk_rejoin(port, marks, q):
         (marks / "junk-done").touch()
 
 
+def stalled_rejoin(port, marks, q):
+    """Once server 1 left: a restarted process that asks to rejoin with a right hello, is
+    admitted, and dies before it connects its link (a crash loop, a probe killing it)."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        wait_for(marks / "first-gone", WAIT_S)
+        hello = make("attention", 1, 2, 1, port, layers=LAYERS, start_rank=1)._hello()
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=20))
+        incarnation = store.add("afd/g0/link2/incarnation", 1)
+        store.set(f"afd/g0/hello/2/{incarnation}", json.dumps(hello).encode())
+        number = store.add("afd/g0/rejoin/count", 1)
+        request = {"member": 2, "incarnation": incarnation}
+        store.set(f"afd/g0/rejoin/{number}", json.dumps(request).encode())
+        verdict = store.get(f"afd/g0/verdict/2/{incarnation}").decode()
+        (marks / "stalled-admitted").touch()
+        time.sleep(2.0)  # the other server steps meanwhile
+        q.put(("junk", verdict))  # and this process goes, its link never connected
+    except Exception:
+        q.put(("junk", "ERROR " + traceback.format_exc()))
+    finally:
+        (marks / "junk-done").touch()
+
+
 def _run(tmp_path, die_at, misfit_first=False, junk_first=False):
     port = free_port()
     targets = [
@@ -180,10 +214,12 @@ def _run(tmp_path, die_at, misfit_first=False, junk_first=False):
         (first_server, die_at, port, tmp_path),
         (restarted_server, port, tmp_path, misfit_first),
     ]
-    if junk_first:
+    if junk_first == "stalled":
+        targets.append((stalled_rejoin, port, tmp_path))
+    elif junk_first:
         targets.append((junk_rejoin, port, tmp_path))
-    # a crashed first process reports nothing
-    expect = (4 if die_at[0] == "leave" else 3) + junk_first
+    # a crashed or stopped first process reports nothing
+    expect = (4 if die_at[0] == "leave" else 3) + bool(junk_first)
     out = run_processes(targets, timeout=120, expect=expect)
     assert_no_errors(out)
     return out
@@ -226,5 +262,40 @@ def test_a_malformed_rejoin_hello_is_refused_and_the_ffn_rank_serves_on(tmp_path
     out = _run(tmp_path, ("leave", 3), misfit_first="after-junk", junk_first=True)
     assert out["junk"] == "the rejoin hello is not a JSON object", out["junk"]
     assert out[0]["wrong"] == 0
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+
+
+LIVENESS_S = 3.0
+
+
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
+def test_a_silent_idle_server_is_lost_within_the_liveness_bound_and_its_restart_rejoins(
+    connector, tmp_path, monkeypatch
+):
+    """Issue 36 (review M4): attention server 1 stops (SIGSTOP) between steps, idle: no
+    step, no FIN. Its FFN rank hears no heartbeat for liveness_timeout_s, drops it and
+    admits its restart; server 0 is served throughout. Before heartbeats the FFN rank kept
+    the silent rank's claim and refused the restart ("still held by a running server")."""
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_LIVENESS_S", str(LIVENESS_S))
+    out = _run(tmp_path, ("idle-stop", 3))
+    assert out[0]["wrong"] == 0 and out[0]["steps"] >= STEPS
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+    # admitted once the silent rank was dropped: within the liveness bound (plus retries)
+    assert out["again"]["rejoin_s"] < LIVENESS_S + 10, out["again"]["rejoin_s"]
+
+
+def test_a_restart_that_dies_during_its_rejoin_costs_the_other_server_nothing(tmp_path):
+    """Issue 36 (review M5): a restarted process is admitted and dies before it connects
+    its link. Its FFN rank waits for that link on its rejoin thread, not on its serving
+    thread: the other server's steps stay fast (the serving thread used to wait the gloo
+    pair's connect bound, 6 s here, while a healthy server's step waited with it), and
+    the real restart rejoins after it."""
+    out = _run(tmp_path, ("leave", 3), misfit_first="after-junk", junk_first="stalled")
+    assert out["junk"] == "ok"
+    assert out[0]["wrong"] == 0 and out[0]["slowest"] < 2.0, out[0]
     assert out["again"]["outcome"] == [True] * STEPS
     assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}

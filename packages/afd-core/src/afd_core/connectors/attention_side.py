@@ -81,8 +81,15 @@ class AttentionSide:
         return self._transport.isend_control(torch.tensor(words, dtype=torch.int64), 0)
 
     def begin_step(self, tokens: tuple[int, ...], flags: int = 0) -> ControlMessage:
+        # a heartbeat (heartbeat.py) in flight finishes first: their messages never interleave
+        with self.control_lock:
+            return self._begin_step(tokens, flags)
+
+    def _begin_step(self, tokens: tuple[int, ...], flags: int) -> ControlMessage:
         import torch
 
+        if self._fatal is not None:  # a heartbeat found the FFN rank gone, where that is fatal
+            raise self._fatal
         if self._ffn_lost is not None:  # fails at once while no FFN rank serves this one
             self._count_step(failed=True)
             raise self._ffn_lost_error()

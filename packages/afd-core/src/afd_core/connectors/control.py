@@ -2,7 +2,10 @@
 
 It is the only thing that wakes an FFN rank, and it tells it how many rows each micro-batch
 of this attention rank carries, so the FFN side knows every tensor shape before the first
-layer arrives. Wire format (version 3, VERSION): a fixed-length vector of int64
+layer arrives. An idle attention rank sends a HEARTBEAT message (no rows, no step: the FFN
+rank's listener answers it at once with a status), so each side learns within
+liveness_timeout_s that the other went silent. Wire format (version 4, VERSION): a
+fixed-length vector of int64
 
     [MAGIC, VERSION, sender_rank, step, flags, num_microbatches, hidden_size, dtype_code,
      tokens[0], ..., tokens[MAX_MICROBATCHES - 1]]
@@ -21,8 +24,9 @@ from afd_core.capabilities import MAX_MICROBATCHES  # a message holds this many 
 
 MAGIC = 0x41464443  # "AFDC"
 # 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step;
-# 3: the STARTUP flag (start-up steps are bounded by startup_timeout_s on both sides)
-VERSION = 3
+# 3: the STARTUP flag (start-up steps are bounded by startup_timeout_s on both sides);
+# 4: HEARTBEAT messages between steps (liveness_timeout_s)
+VERSION = 4
 HEADER_LEN = 8
 MESSAGE_LEN = HEADER_LEN + MAX_MICROBATCHES
 
@@ -39,6 +43,7 @@ class ControlFlag(enum.IntFlag):
     DUMMY = 8  # no real requests: a data-parallel padding step or an idle rank's dummy batch
     PROFILE = 16  # vLLM's memory-profiling forward (max-size dummy batch)
     STARTUP = 32  # before the attention server serves: bounded by startup_timeout_s
+    HEARTBEAT = 64  # an idle rank is alive; no step, the FFN rank's listener answers at once
 
 
 KNOWN_FLAGS = int(
@@ -48,7 +53,9 @@ KNOWN_FLAGS = int(
     | ControlFlag.DUMMY
     | ControlFlag.PROFILE
     | ControlFlag.STARTUP
+    | ControlFlag.HEARTBEAT
 )
+NO_ROWS = ControlFlag.SHUTDOWN | ControlFlag.HEARTBEAT  # messages that carry no step
 
 
 class ControlError(RuntimeError):
@@ -72,8 +79,12 @@ class ControlMessage:
     def is_shutdown(self) -> bool:
         return bool(self.flags & ControlFlag.SHUTDOWN)
 
+    @property
+    def is_heartbeat(self) -> bool:
+        return bool(self.flags & ControlFlag.HEARTBEAT)
+
     def encode(self) -> list[int]:
-        if not 1 <= len(self.tokens) <= MAX_MICROBATCHES and not self.is_shutdown:
+        if not 1 <= len(self.tokens) <= MAX_MICROBATCHES and not self.flags & NO_ROWS:
             raise ControlError(
                 f"control message: {len(self.tokens)} micro-batches; allowed 1..{MAX_MICROBATCHES}"
             )
@@ -108,6 +119,11 @@ class Expectation:
     max_tokens: int | None = None  # per micro-batch; None = unchecked
 
 
+def is_heartbeat(words: list[int]) -> bool:
+    """Whether received words claim to be a heartbeat (decode checks the rest)."""
+    return len(words) == MESSAGE_LEN and words[4] >= 0 and bool(words[4] & ControlFlag.HEARTBEAT)
+
+
 def decode(words: list[int], expect: Expectation) -> ControlMessage:
     """Parse and check a received message; ControlError names the peer and the field."""
     who = f"control message from attention rank {expect.sender_rank}"
@@ -133,7 +149,9 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
     if flags & ~KNOWN_FLAGS or flags < 0:
         raise ControlError(f"{who}: unknown flags {flags:#x}")
     flag = ControlFlag(flags)
-    if flag & ControlFlag.SHUTDOWN:
+    if flag & NO_ROWS:
+        if n_mb or any(words[HEADER_LEN:]):
+            raise ControlError(f"{who}: a {flag!r} message carries rows ({n_mb} micro-batches)")
         return ControlMessage(sender, step, (), hidden, DTYPE_NAMES.get(dtype_code, "?"), flag)
     if not 1 <= n_mb <= MAX_MICROBATCHES:
         raise ControlError(f"{who}: num_microbatches={n_mb}; allowed 1..{MAX_MICROBATCHES}")

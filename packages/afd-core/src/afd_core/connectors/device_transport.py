@@ -137,6 +137,8 @@ class LaunchHandle(Handle):
 
 class DeviceTransport(MemberLinks, StoreTransport):
     channel = "device"  # the communicator's name in error messages (NCCL, HCCL)
+    # connecting a link posts its first operations on the shared streams (_preconnect)
+    links_connect_off_serving_thread = False
 
     def __init__(self, *args, runtime: DeviceRuntime, comm_factory: CommFactory, **kwargs):
         super().__init__(*args, **kwargs)
@@ -223,8 +225,8 @@ class DeviceTransport(MemberLinks, StoreTransport):
             raise
         return DeviceLink(ctrl, comms, 1 - me)
 
-    def _check_link(self, peer: int) -> None:
-        link = self._links[peer]
+    def _check_link(self, peer: int, link=None) -> None:
+        link = link or self._links[peer]
         me = 1 - link.remote
         self._connect_pair(
             link.ctrl,

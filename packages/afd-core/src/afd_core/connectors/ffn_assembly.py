@@ -22,7 +22,8 @@ from afd_core.connectors.control import (
 )
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.order import FFNOrder
-from afd_core.connectors.rejoin import RejoinRequest, RejoinWatch
+from afd_core.connectors.rejoin import RejoinReady, RejoinWatch
+from afd_core.connectors.status import StepStatus
 from afd_core.connectors.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.trace import now
@@ -42,11 +43,24 @@ class FFNStepAssembly:
         self._require("ffn")
         waiting_since = now()
         if self._inbox is None:
-            self._inbox = ControlInbox(self._transport, len(self.peers), self._me())
+            # where links fail alone, a silent idle peer is lost within liveness_timeout_s
+            live = self.survives_peer_loss
+            self._inbox = ControlInbox(
+                self._transport,
+                len(self.peers),
+                self._me(),
+                liveness_s=self.config.extra().liveness_timeout_s if live else None,
+                on_heartbeat=self._answer_heartbeat if live else None,
+            )
             self._inbox.start()
             if self.survives_peer_loss:
                 self._rejoin_watch = RejoinWatch(
-                    self._transport, self.group, len(self.peers), self._inbox, self._me()
+                    self._transport,
+                    self.group,
+                    len(self.peers),
+                    self._inbox,
+                    self._me(),
+                    prepare=self._prepare_rejoin,
                 )
                 self._rejoin_watch.start()
         while True:
@@ -119,7 +133,7 @@ class FFNStepAssembly:
         next step: a capture is served alone (its peers record their operations, nothing
         moves), never in the same step as another server's real one."""
         i, payload = item
-        if isinstance(payload, RejoinRequest):
+        if isinstance(payload, RejoinReady):
             self._admit(i, payload)
             return
         if not self._active_peers[i]:
@@ -138,6 +152,8 @@ class FFNStepAssembly:
             msg = decode(payload, expect)
         except ControlError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
+        if msg.is_heartbeat:
+            return  # answered by its listener (a transport whose links fail alone)
         if msg.step != self._peer_step[i]:
             raise AFDPeerError(
                 f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
@@ -163,6 +179,22 @@ class FFNStepAssembly:
         else:
             self._peer_step[i] += 1
         arrived[i] = msg
+
+    def _answer_heartbeat(self, i: int, words: list[int]) -> None:
+        """Listener thread: peer i is idle and alive; answer at once (heartbeat.py).
+        TransportError for a heartbeat that cannot be accepted: the peer is dropped."""
+        import torch
+
+        expect = Expectation(
+            self.peers[i], self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i]
+        )
+        try:
+            msg = decode(words, expect)
+        except ControlError as exc:
+            raise TransportError(f"a heartbeat this rank cannot accept: {exc}") from None
+        answer = StepStatus(msg.step, ffn_rank=self.role_rank)
+        payload = torch.frombuffer(bytearray(answer.encode()), dtype=torch.uint8)
+        self._transport.isend_status(payload, i + 1).wait()
 
     def _control_error(self, i: int, exc) -> AFDPeerError:
         return AFDPeerError(

@@ -66,10 +66,10 @@ class GlooTransport(MemberLinks, StoreTransport):
         )
         return Link(ctrl, data, 1 - me)
 
-    def _check_link(self, peer: int) -> None:
+    def _check_link(self, peer: int, link=None) -> None:
         """Connect both pairs of a link now, while its other side does the same
         (`_connect_pair`: left to the first step, a listener would wait for it)."""
-        link = self._links[peer]
+        link = link or self._links[peer]
         what = (
             f"connecting AFD group {self.group}'s link with group rank {peer} "
             f"({self.channel_where()})"

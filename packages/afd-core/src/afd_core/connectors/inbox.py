@@ -6,6 +6,11 @@ but two servers step independently: waiting for every peer before each step woul
 server until the other gets a request. One listener thread per peer receives that peer's
 next control message as soon as it is sent; the FFN rank then serves the peers that are
 ready (and every peer of their servers), and picks up the others in a later step.
+
+Where links fail alone, a listener also watches its peer's liveness: it answers the
+peer's heartbeats itself (`on_heartbeat`), and a peer that sends neither a step nor a
+heartbeat within `liveness_s` is reported as failed, so it is dropped and its restart is
+admitted (rejoin.py).
 """
 
 from __future__ import annotations
@@ -13,17 +18,28 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 
-from afd_core.connectors.control import MESSAGE_LEN
+from afd_core.connectors.control import MESSAGE_LEN, is_heartbeat
 from afd_core.connectors.transport import Transport, TransportError
 
 
 class ControlInbox:
     CLOSED = (-1, None)  # what `get` returns once the inbox is closed
 
-    def __init__(self, transport: Transport, num_peers: int, name: str):
+    def __init__(
+        self,
+        transport: Transport,
+        num_peers: int,
+        name: str,
+        liveness_s: float | None = None,
+        on_heartbeat: Callable[[int, list[int]], None] | None = None,
+    ):
         self._transport = transport
         self._name = name
+        self._liveness_s = liveness_s  # None: an idle peer is waited for without bound
+        # answers peer i's heartbeat; raises TransportError when it cannot
+        self._on_heartbeat = on_heartbeat
         self._queue: queue.Queue = queue.Queue()
         # each peer's listener generation: a restarted peer gets a new listener on its new
         # link, and whatever the old one still reports is dropped
@@ -57,9 +73,22 @@ class ControlInbox:
 
         while not self._closed:
             buf = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
+            posted = time.monotonic()
             try:
-                self._transport.irecv_control(buf, i + 1).wait()
+                self._transport.irecv_control(buf, i + 1, bound_s=self._liveness_s).wait()
+                words = buf.tolist()
+                if self._on_heartbeat is not None and is_heartbeat(words):
+                    if not self._closed and generation == self._generation[i]:
+                        self._on_heartbeat(i, words)
+                    continue
             except TransportError as exc:
+                silent = time.monotonic() - posted >= 0.9 * (self._liveness_s or float("inf"))
+                if silent:
+                    exc = TransportError(
+                        f"{exc} (it sent no step and no heartbeat within "
+                        f"{self._liveness_s:.0f}s, liveness_timeout_s: silent, cut off or "
+                        "stopped)"
+                    )
                 self._queue.put((i, generation, exc))
                 return
             except BaseException as exc:  # noqa: BLE001 - a listener must not die silently
@@ -68,7 +97,7 @@ class ControlInbox:
                 return
             if self._closed:
                 return
-            self._queue.put((i, generation, buf.tolist()))
+            self._queue.put((i, generation, words))
 
     def get(self, block: bool = True, timeout_s: float | None = None):
         """(peer index, words), (peer index, TransportError) or (peer index, what `put`

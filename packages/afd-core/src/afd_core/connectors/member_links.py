@@ -26,6 +26,11 @@ class MemberLinks:
     `.remote` (the other side's rank in its pairs)."""
 
     per_member_links = False  # the AFD group's transport: set by its connector
+    # a restarted member's link can be connected off the serving thread (prepare_link)
+    # and swapped in between two steps (install_link): nothing of it touches what the
+    # serving thread uses. Not on a device, where connecting posts device operations on
+    # the streams the serving thread launches on.
+    links_connect_off_serving_thread = True
 
     def _init_links(self) -> None:
         self._links: dict = {}  # group rank -> its link (per_member_links)
@@ -36,8 +41,9 @@ class MemberLinks:
         """Member `member`'s link, for its `incarnation`-th process (0: the first)."""
 
     @abstractmethod
-    def _check_link(self, peer: int) -> None:
-        """Connect link `peer`'s pairs now, while its other side does the same."""
+    def _check_link(self, peer: int, link=None) -> None:
+        """Connect link `peer`'s pairs now (`link`, default the installed one), while its
+        other side does the same."""
 
     @abstractmethod
     def _abort_link(self, link) -> None:
@@ -54,18 +60,31 @@ class MemberLinks:
             self._links = {0: self._link(self.group_rank, 0)}
             self._check_link(0)
 
-    def relink(self, member: int, incarnation: int) -> None:
-        """FFN rank: a restarted member's fresh link replaces its failed one (the member
-        is connecting its side now)."""
+    def prepare_link(self, member: int, incarnation: int):
+        """FFN rank, on the rejoin thread: a restarted member's fresh link, connected (the
+        member is connecting its side now); TransportError if it does not connect."""
+        link = self._link(member, incarnation)
+        try:
+            self._check_link(member, link)
+        except TransportError:
+            self._abort_link(link)
+            raise
+        return link
+
+    def install_link(self, member: int, link) -> None:
+        """FFN rank, between two steps: `link` replaces the member's failed one."""
         old = self._links.get(member)
-        self._links[member] = self._link(member, incarnation)
+        self._links[member] = link
+        if old is not None and old is not link:
+            self._abort_link(old)
+
+    def relink(self, member: int, incarnation: int) -> None:
+        """FFN rank: a restarted member's fresh link replaces its failed one, connected
+        here (the member is connecting its side now)."""
+        old = self._links.pop(member, None)
         if old is not None:
             self._abort_link(old)
-        try:
-            self._check_link(member)
-        except TransportError:
-            self._abort_link(self._links[member])
-            raise
+        self.install_link(member, self.prepare_link(member, incarnation))
 
     def join_link(self, incarnation: int) -> None:
         """A restarted attention member joins a running group: its link only, no waiting

@@ -61,10 +61,19 @@ class StartupMembership:
                 self._leave_failed_start_up(transport)
                 raise
         self._formed = True
+        self._start_heartbeat()
         self.metrics.set_peers(self._metric_peers(), True)
         self.metrics.publish(now=True)
         if self.config.is_ffn and self.fixed_receive_buffers:
             self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
+
+    def _start_heartbeat(self) -> None:
+        """Attention side, where links fail alone: heartbeats while idle (heartbeat.py)."""
+        if self.config.is_attention and self.survives_peer_loss and self._heartbeat is None:
+            from afd_core.connectors.heartbeat import Heartbeat
+
+            self._heartbeat = Heartbeat(self, self.config.extra().liveness_timeout_s)
+            self._heartbeat.start()
 
     def _leave_failed_start_up(self, transport: Transport) -> None:
         """The store lives in FFN rank 0's process: it stays until every rank of the

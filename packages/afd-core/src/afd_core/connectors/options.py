@@ -42,6 +42,11 @@ class GlooOptions(BaseModel):
     #   Triton and kernel JIT), minutes on a large model with a cold cache; it replaces
     #   timeout_s for those steps when longer.
     startup_timeout_s: Seconds = Field(default=3600.0, gt=0, le=86400)
+    # How long a formed link may stay silent: an idle attention rank sends a heartbeat every
+    # liveness_timeout_s / 3 and its FFN rank answers it, so a peer that is powered off,
+    # cut off or stopped (SIGSTOP) between steps is lost within this bound on both sides,
+    # and a restarted replacement is admitted (where links fail alone: survives_peer_loss).
+    liveness_timeout_s: Seconds = Field(default=30.0, ge=3, le=3600)
 
 
 class NcclOptions(GlooOptions):

@@ -44,6 +44,7 @@ from afd_core.connectors.data_tags import data_tag
 from afd_core.connectors.ffn_assembly import FFNStepAssembly
 from afd_core.connectors.ffn_return import AwaitingFFN, FFNReturnWatch
 from afd_core.connectors.ffn_side import FFNDataPath, PendingBatch
+from afd_core.connectors.heartbeat import Heartbeat
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.membership import StartupMembership
 from afd_core.connectors.order import FFNOrder
@@ -82,6 +83,10 @@ class PointToPointConnector(
         self.group_size = 1 + len(self.peers)
         self._transport: Transport | None = None
         self._lock = threading.Lock()
+        # attention: a step's control message and a heartbeat go one at a time
+        self.control_lock = threading.Lock()
+        self._heartbeat: Heartbeat | None = None
+        self._fatal: AFDPeerError | None = None  # attention: raised by the next step
         self._closed = False
         self._step = 0  # attention: the next step's number; FFN: steps served
         self._current: _AttentionStep | None = None  # attention: the step in flight
@@ -189,6 +194,8 @@ class PointToPointConnector(
     def close(self) -> None:
         if self._ffn_watch is not None:
             self._ffn_watch.close()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
         with self._lock:
             if self._closed or self._transport is None:
                 self._closed = True
@@ -203,16 +210,18 @@ class PointToPointConnector(
         self.metrics.publish(now=True)
         if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
-                self._send_words(
-                    ControlMessage(
-                        self.role_rank,
-                        self._step,
-                        (),
-                        self.wire.hidden_size,
-                        self.wire.dtype,
-                        ControlFlag.SHUTDOWN,
-                    ).encode()
-                ).wait()
+                with self.control_lock:
+                    goodbye = self._send_words(
+                        ControlMessage(
+                            self.role_rank,
+                            self._step,
+                            (),
+                            self.wire.hidden_size,
+                            self.wire.dtype,
+                            ControlFlag.SHUTDOWN,
+                        ).encode()
+                    )
+                goodbye.wait()
             except Exception:
                 logger.debug("AFD %s: goodbye not delivered", self._me(), exc_info=True)
         transport.close()

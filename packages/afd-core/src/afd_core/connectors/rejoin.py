@@ -4,10 +4,15 @@ Once every rank connected (`membership.FORMED_KEY`), a rank that opens the store
 restarted. An attention rank then claims its place again: the claim is free once its FFN
 rank dropped the previous process (lost, or gone with a goodbye), and is waited for up to
 the connect timeout. It checks the deployment's shape, leaves a hello and a request in the
-store, and waits for its FFN rank's verdict. The FFN rank's watcher thread passes the request
-to the serving thread with the peers' control messages, so it is taken between two steps:
-the hello is checked as at start-up, the peer gets a fresh link (gloo.py) and a listener,
-and its steps count from 0 again. A failed rejoin fails the restarted rank only: nothing is
+store, and waits for its FFN rank's verdict. The FFN rank's rejoin thread (`RejoinWatch`)
+does the slow part: it reads the hello, checks it as at start-up, writes the verdict and
+connects the peer's fresh link (gloo.py: up to the connect bound, while the restarted
+process connects its side). Then it passes the connected link to the serving thread with
+the peers' control messages, which swaps it in between two steps and starts the peer's
+listener; its steps count from 0 again. So a restarted process that dies during its rejoin
+costs the other peers nothing (review M5: the serving thread used to wait for its
+connect). On a device transport the link's first operations go on the streams the
+serving thread launches on, so there the serving thread connects it, between two steps. A failed rejoin fails the restarted rank only: nothing is
 written to `afd/failed` after the deployment formed.
 
 Only a transport whose links fail alone can take a rejoining peer (`survives_peer_loss`):
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd_core.connectors.base import AFDPeerError
@@ -40,6 +46,16 @@ class RejoinRequest:
     """Peer i's restarted process asks for its place; its link is the incarnation-th."""
 
     incarnation: int
+
+
+@dataclass(frozen=True)
+class RejoinReady:
+    """Peer i's restarted process was admitted: its hello, and its link connected off the
+    serving thread (None: the serving thread connects it, relink)."""
+
+    incarnation: int
+    hello: dict
+    link: object | None
 
 
 class Rejoining:
@@ -107,18 +123,18 @@ class Rejoining:
         return incarnation, verdict.decode()
 
     # -- the FFN rank ------------------------------------------------------------------------
-    def _admit(self, i: int, request: RejoinRequest) -> None:
-        """Serving thread, between steps: take peer i's restarted process, or tell it why
-        not."""
+    def _prepare_rejoin(self, i: int, request: RejoinRequest) -> RejoinReady | None:
+        """Rejoin thread: peer i's request checked, its verdict written and, where the
+        transport allows it, its fresh link connected; None if it is not admitted."""
         t, member, peer = self._transport, i + 1, self.peers[i]
-        if self._active_peers[i]:
-            verdict = f"attention rank {peer} is still served by {self._me()}"
+        if self._active_peers[i]:  # its claim is freed only after the drop: a stale request
+            verdict, theirs = f"attention rank {peer} is still served by {self._me()}", None
         else:
             try:
                 hello_key = f"afd/g{self.group}/hello/{member}/{request.incarnation}"
                 theirs = json.loads(t.store_get(hello_key, REQUEST_WAIT_S))
             except TransportError:
-                return  # the restarted process went before it said hello
+                return None  # the restarted process went before it said hello
             except ValueError:
                 theirs = None
             problems = _malformed_hello(theirs) or self._hello_problems(i, theirs, self._hello())
@@ -126,13 +142,33 @@ class Rejoining:
         key = f"afd/g{self.group}/verdict/{member}/{request.incarnation}"
         t.store_set(key, verdict.encode())
         if verdict != "ok":
+            return None
+        link = None
+        if t.links_connect_off_serving_thread:
+            try:  # the restarted process connects its side as soon as it reads the verdict
+                link = t.prepare_link(member, request.incarnation)
+            except TransportError as exc:
+                logger.warning(
+                    "AFD %s: attention rank %d did not rejoin: %s", self._me(), peer, exc
+                )
+                return None
+        return RejoinReady(request.incarnation, theirs, link)
+
+    def _admit(self, i: int, ready: RejoinReady) -> None:
+        """Serving thread, between two steps: peer i's restarted process takes its place."""
+        t, member, peer = self._transport, i + 1, self.peers[i]
+        if self._active_peers[i]:  # lost and back within one step: cannot happen
+            logger.warning("AFD %s: attention rank %d rejoined twice", self._me(), peer)
             return
-        try:  # the restarted process connects its side as soon as it reads the verdict
-            t.relink(member, request.incarnation)
+        try:
+            if ready.link is not None:
+                t.install_link(member, ready.link)
+            else:
+                t.relink(member, ready.incarnation)
         except TransportError as exc:
             logger.warning("AFD %s: attention rank %d did not rejoin: %s", self._me(), peer, exc)
             return
-        self._take_hello(i, theirs)
+        self._take_hello(i, ready.hello)
         self._peer_step[i] = 0
         self._peer_left[i] = False
         self._active_peers[i] = True
@@ -160,12 +196,22 @@ def _malformed_hello(theirs) -> list[str]:
 
 
 class RejoinWatch:
-    """FFN rank: a thread that passes each rejoin request of this group, in turn, to the
-    serving thread (through the control inbox)."""
+    """FFN rank: a thread that takes each rejoin request of this group in turn, prepares it
+    off the serving thread (`prepare`: the connector's _prepare_rejoin) and passes what it
+    admits to the serving thread (through the control inbox)."""
 
-    def __init__(self, transport: Transport, group: int, num_peers: int, inbox, name: str):
+    def __init__(
+        self,
+        transport: Transport,
+        group: int,
+        num_peers: int,
+        inbox,
+        name: str,
+        prepare: Callable[[int, RejoinRequest], RejoinReady | None],
+    ):
         self._transport, self._group, self._num_peers = transport, group, num_peers
         self._inbox = inbox
+        self._prepare = prepare
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"{name}-rejoin", daemon=True)
 
@@ -189,7 +235,14 @@ class RejoinWatch:
                         member, incarnation = int(request["member"]), int(request["incarnation"])
                     except (TransportError, ValueError, KeyError, TypeError):
                         continue  # its process went before it wrote the request
-                    if 1 <= member <= self._num_peers:
-                        self._inbox.put(member - 1, RejoinRequest(incarnation))
+                    if not 1 <= member <= self._num_peers:
+                        continue
+                    try:
+                        ready = self._prepare(member - 1, RejoinRequest(incarnation))
+                    except Exception:  # noqa: BLE001 - one bad request must not stop the watch
+                        logger.exception("AFD group %d: rejoin request %d failed", g, number)
+                        continue
+                    if ready is not None:
+                        self._inbox.put(member - 1, ready)
         except Exception:  # noqa: BLE001 - the store went with FFN rank 0: nobody can rejoin
             logger.debug("AFD group %d: rejoin watch stopped", g, exc_info=True)
