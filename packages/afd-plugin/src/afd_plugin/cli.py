@@ -71,6 +71,16 @@ EXAMPLES = {
 }
 
 
+BENCH_DESCRIPTION = """\
+measure the connector and AFD vs colocated on this machine.
+
+CPU only: it runs the gloo connector, one-thread CPU compute and vLLM's CPU build, and
+the profile it saves is a CPU profile (platform "cpu"). It does not measure NCCL, HCCL or
+GPU/NPU compute. For a GPU or NPU host, copy a preset hardware profile and put in your
+devices' rates and your own NCCL point-to-point measurements (docs/planner.md, "A profile
+for your GPUs")."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afd",
@@ -85,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter),
     )
 
-    def command(name: str, help: str):
+    def command(name: str, help: str, description: str | None = None):
         example = "\n".join(f"  {line}" for line in EXAMPLES[name])
-        return sub.add_parser(name, help=help, description=help, epilog=f"examples:\n{example}")
+        return sub.add_parser(
+            name, help=help, description=description or help, epilog=f"examples:\n{example}"
+        )
 
     doctor = command("doctor", "check whether AFD can run here, and why not")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -101,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         command("plan", "choose the A:F shape for a model, hardware and TPOT target")
     )
     bench.add_arguments(
-        command("bench", "measure the connector and AFD vs colocated on this machine")
+        command(
+            "bench",
+            "measure the connector and AFD vs colocated on this machine (CPU only)",
+            BENCH_DESCRIPTION,
+        )
     )
     from afd_plugin.deploy import launch as deploy_launch
 

@@ -80,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     running.add_argument("--colocated-url", help="e.g. http://127.0.0.1:8000")
     running.add_argument("--attention-url", help="the AFD attention server")
     running.add_argument("--trace", help="the AFD_STEP_TRACE prefix both AFD servers write to")
-    p.add_argument("--save-profile", type=Path, help="write the measured hardware profile here")
+    p.add_argument(
+        "--save-profile", type=Path, metavar="FILE",
+        help="write the measured hardware profile (a CPU profile) here",
+    )  # fmt: skip
 
 
 def _check(args: argparse.Namespace) -> str | None:
