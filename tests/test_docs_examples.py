@@ -8,7 +8,11 @@ afd_plugin.vllm_serve ...` and `python -m vllm.entrypoints.openai.api_server ...
 own parser, with the `afd` part of `--additional-config` through the AFD config parser;
 `python benchmarks/X.py ...` by the flags that script's `--help` lists; a script or file of
 this repository by its existence; anything else must be a known tool (a misspelt command
-fails). TOML blocks that hold a deployment spec are checked as `afd launch` checks one."""
+fails). TOML blocks that hold a deployment spec are checked as `afd launch` checks one.
+
+A page runs as written when copied: every `$NAME` a shell block uses is assigned on the
+same page, in that block or an earlier one (`NAME=value`, `export NAME=value`), unless a
+shell always has it (`$HOME`); and no two servers of one block listen on the same port."""
 
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ KNOWN_TOOLS = {
     "duplicates", "watch", "jq", "head", "tail", "grep", "ping", "nc", "tar", "sha256sum",
     "openssl", "chmod", "systemctl", "ssh", "wget", "unset", "true", "sleep", "set", "mv",
 }  # fmt: skip
+# variables every shell has: a page need not define these
+ENVIRONMENT = {"HOME", "PATH", "PWD", "USER"}
 OPERATORS = {"&&", "||", "|", ";", "&"}
 REDIRECTS = {">", ">>", "<", "2>", "2>>", "&>", ">&", "2>&1"}
 
@@ -62,10 +68,14 @@ def blocks(path: Path, langs: tuple[str, ...]) -> list[tuple[int, str]]:
     return out
 
 
-def shell_commands(text: str) -> list[list[str]]:
-    """The block's simple commands, as argv lists, with $NAME expanded from its own
-    assignments (other variables stand for a value: X)."""
-    names: dict[str, str] = {}
+def shell_commands(
+    text: str, names: dict[str, str] | None = None, undefined: list[str] | None = None
+) -> list[list[str]]:
+    """The block's simple commands, as argv lists, with $NAME expanded from the
+    assignments in `names` (the page's so far; the block's own are added to it) and other
+    variables standing for a value, X. Each variable used but never assigned is appended
+    to `undefined`."""
+    names = {} if names is None else names
     commands: list[list[str]] = []
 
     def flush(argv: list[str]) -> None:
@@ -74,6 +84,11 @@ def shell_commands(text: str) -> list[list[str]]:
             if len(argv) == 1:
                 names[name] = value
             argv = argv[1:]
+        if argv[:1] == ["export"]:  # export NAME=value ...
+            for word in argv[1:]:
+                if re.fullmatch(r"\w+=.*", word):
+                    name, value = word.split("=", 1)
+                    names[name] = value
         if argv:
             commands.append(argv)
 
@@ -82,7 +97,10 @@ def shell_commands(text: str) -> list[list[str]]:
 
         def expand(m: re.Match) -> str:
             # the value as the shell substitutes it: its quotes are characters, not quoting
-            value = names.get(m.group(1) or m.group(2), "X")
+            name = m.group(1) or m.group(2)
+            if name not in names and name not in ENVIRONMENT and undefined is not None:
+                undefined.append(name)
+            value = names.get(name, "X")
             return value.replace("\\", "\\\\").replace('"', '\\"')
 
         for inner in re.findall(r"\$\(([^()]*)\)", line):  # $(command): checked as well
@@ -239,16 +257,76 @@ def check_command(argv: list[str]) -> str:
     return exe
 
 
+def page_blocks(path: Path) -> list[tuple[int, list[list[str]], list[str]]]:
+    """(first line, commands, variables used but not assigned so far on the page) of each
+    shell block of a page, read in order as a reader pastes them."""
+    names: dict[str, str] = {}
+    out = []
+    for line, text in blocks(path, SHELL):
+        undefined: list[str] = []
+        out.append((line, shell_commands(text, names, undefined), undefined))
+    return out
+
+
+SERVERS = ("afd_plugin.vllm_serve", "vllm.entrypoints.openai.api_server")
+
+
+def api_ports(commands: list[list[str]]) -> list[str]:
+    """The API port of each server the commands start (vLLM's default 8000 without
+    --port); a headless server has none."""
+    ports = []
+    for argv in commands:
+        argv = _unwrap(argv)
+        module = argv[2] if argv[1:2] == ["-m"] and len(argv) > 2 else None
+        is_server = argv[:2] == ["vllm", "serve"] or (
+            Path(argv[0]).name.startswith("python") and module in SERVERS
+        )
+        if not is_server or "--headless" in argv:
+            continue
+        port = "8000"
+        for i, word in enumerate(argv):
+            if word == "--port" and i + 1 < len(argv):
+                port = argv[i + 1]
+            elif word.startswith("--port="):
+                port = word.split("=", 1)[1]
+        ports.append(port)
+    return ports
+
+
 def _examples() -> list[tuple[str, list[str]]]:
     out = []
     for path in DOCS:
-        for line, text in blocks(path, SHELL):
-            for argv in shell_commands(text):
+        for line, commands, _ in page_blocks(path):
+            for argv in commands:
                 out.append((f"{path.relative_to(REPO)}:{line}", argv))
     return out
 
 
 EXAMPLES = _examples()
+
+
+def test_every_variable_is_defined_on_its_page():
+    """A `$NAME` nobody assigned on the page expands to nothing when pasted."""
+    missing = [
+        f"{path.relative_to(REPO)}:{line}: ${name}"
+        for path in DOCS
+        for line, _, undefined in page_blocks(path)
+        for name in dict.fromkeys(undefined)
+    ]
+    assert not missing, "variables used but never assigned on their page:\n" + "\n".join(missing)
+
+
+def test_no_two_servers_of_a_block_share_a_port():
+    """Servers shown together run together: the second one on the same port would stop
+    with `Address already in use`."""
+    clashes = []
+    for path in DOCS:
+        for line, commands, _ in page_blocks(path):
+            ports = api_ports(commands)
+            taken = sorted({p for p in ports if ports.count(p) > 1})
+            if taken:
+                clashes.append(f"{path.relative_to(REPO)}:{line}: port {taken}")
+    assert not clashes, "servers of one block on the same API port:\n" + "\n".join(clashes)
 
 
 def test_the_docs_show_commands():
@@ -343,6 +421,24 @@ def test_the_extraction_reads_commands_as_a_shell_does():
         ["head", "-1"],
         ["curl", "-s", "localhost:8000/metrics"],
     ]
+
+
+def test_an_undefined_variable_and_a_shared_port_are_found():
+    """What the two checks above catch, shown on a block of each kind."""
+    names: dict[str, str] = {}
+    undefined: list[str] = []
+    shell_commands("M=/models/m\nvllm serve $M --port $PORT\necho $HOME", names, undefined)
+    assert undefined == ["PORT"] and names == {"M": "/models/m"}
+    later: list[str] = []  # a later block of the same page sees the page's assignments
+    shell_commands("export AFD=x N=2\nvllm serve $M $AFD $N", names, later)
+    assert later == []
+    two = shell_commands(
+        "CUDA_VISIBLE_DEVICES=0 vllm serve m --additional-config '{}'\n"
+        "CUDA_VISIBLE_DEVICES=1 vllm serve m --port=8000\n"
+        "vllm serve m --port 8100\nvllm serve m --headless\n"
+        "python -m afd_plugin.vllm_serve m --port 8100"
+    )
+    assert api_ports(two) == ["8000", "8000", "8100", "8100"]
 
 
 @pytest.mark.vllm
