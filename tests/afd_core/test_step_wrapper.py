@@ -180,6 +180,21 @@ def test_failing_microbatch_is_cleaned_up_and_reported(setup):
     assert setup.conn.ended == 1
 
 
+def test_with_tensor_parallel_a_local_failure_stops_the_server(setup):
+    """Issue 36 (review M7): one TP rank's failure would leave its siblings in the step's
+    collectives; it is finished in protocol with the FFN rank, then raised as fatal."""
+    from afd_core.connectors.base import AFDPeerError, AFDStepError
+    from afd_core.step.split import MicrobatchSlice
+
+    setup.conn.local_failure_fatal = True
+    setup.model.fail_in = (1, 1)
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    with pytest.raises(AFDPeerError, match="other tensor-parallel ranks") as err:
+        setup.forward([{"layer.0": "mb0"}, {"layer.0": "mb1"}])
+    assert not isinstance(err.value, AFDStepError)
+    assert setup.conn.aborted == 1  # the FFN rank was left in step first
+
+
 def test_injected_failure_hits_the_next_real_step_only(setup):
     from afd_core.connectors.base import AFDStepError
 

@@ -7,7 +7,12 @@ op), and the FFN rank's status. A failure inside the step on this rank
 (attention compute, a micro-batch thread) is finished in protocol with rows of zeros
 (`abort_step`; a graph capture, where nothing moved, with the status only) and raised as
 AFDStepError: that step's requests fail and the next step runs.
-A failure the transport cannot survive is AFDPeerError: the deployment stops.
+A failure the transport cannot survive is AFDPeerError: the deployment stops. So is a
+local failure on an attention server with tensor parallelism (`local_failure_fatal`): its
+sibling TP ranks are still inside that step's collectives (the sequence split's
+all-gather), and this rank's next collective would pair with one of theirs (review M7:
+a hang, or, with equal sizes, silently wrong outputs); the step is still finished in
+protocol with the FFN rank first.
 """
 
 from __future__ import annotations
@@ -85,6 +90,13 @@ class AttentionStepDriver:
                 if msg.flags & ControlFlag.CAPTURE
                 else "the rest of the step was exchanged as zeros"
             )
+            if getattr(conn, "local_failure_fatal", False):
+                raise AFDPeerError(
+                    f"attention rank {conn.role_rank}: step {msg.step} failed on this rank "
+                    f"({stopped}): {type(exc).__name__}: {exc}; {cleanup}, but this server's "
+                    "other tensor-parallel ranks are still in the step's collectives, which "
+                    "this rank cannot rejoin in step: the server stops (restart it)"
+                ) from exc
             raise AFDStepError(
                 f"attention rank {conn.role_rank}: step {msg.step} failed on this rank "
                 f"({stopped}): {type(exc).__name__}: {exc}; {cleanup}, so the FFN rank is "

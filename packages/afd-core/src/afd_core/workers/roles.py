@@ -167,7 +167,11 @@ class AttentionRole(_Role):
         self._connect(model)
         # over tensor parallelism the ranks of a step would not all fail it at one point
         # (one could wait in vLLM's all-gather for another): a lost FFN rank stops the server
-        self.connector.ffn_loss_fatal = self.vllm_config.parallel_config.tensor_parallel_size > 1
+        tensor_parallel = self.vllm_config.parallel_config.tensor_parallel_size > 1
+        self.connector.ffn_loss_fatal = tensor_parallel
+        # and a failure on one TP rank alone cannot be finished in step with its siblings
+        # (step/attention.py)
+        self.connector.local_failure_fatal = tensor_parallel
         install_connector(self.connector)
         split = self._sequence_split()
         install_sequence_split(split)
