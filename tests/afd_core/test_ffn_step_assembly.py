@@ -25,12 +25,41 @@ def ffn_of(peers_servers, items):
     return conn
 
 
-def test_a_servers_ranks_are_waited_for_within_the_step_timeout_naming_the_missing_one():
-    conn = ffn_of([0, 0], [(0, control(0, 0, (2,)))])  # one server of two ranks
-    with pytest.raises(AFDPeerError, match=r"attention rank\(s\) 1 did not announce .* 0s"):
-        conn.recv_control()
+def test_a_servers_ranks_are_waited_for_within_the_step_timeout_naming_the_missing_one(
+    monkeypatch,
+):
     conn = ffn_of([0, 0], [(0, control(0, 0, (2,))), (1, control(1, 0, (3,)))])
     assert conn.recv_control().rows == ((2, 3),)
+    # where links fail alone, the late rank is dropped and the step goes on without it
+    # (issue 36, review M3: one late DP rank stopped the FFN rank for everyone)
+    conn = ffn_of([0, 0], [(0, control(0, 0, (2,)))])  # one server of two ranks
+    assert conn.recv_control().rows == ((2, 0),)
+    assert conn.peers_lost == [1] and conn._transport.dropped == [2]
+    # elsewhere it stops the FFN rank, naming the late rank
+    monkeypatch.setattr(type(conn), "survives_peer_loss", False)
+    conn = ffn_of([0, 0], [(0, control(0, 0, (2,)))])
+    with pytest.raises(AFDPeerError, match=r"attention rank\(s\) 1 did not announce .* 0s"):
+        conn.recv_control()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [0x1234, *control(1, 0, (3,))[1:]],  # bad magic: not an AFD message
+        control(1, 5, (3,)),  # out of step: step 5 where step 0 is next
+    ],
+    ids=["malformed", "out-of-step"],
+)
+def test_a_bad_control_message_costs_its_sender_only(bad, monkeypatch):
+    """Issue 36 (review M3): a malformed or out-of-step control message stopped the FFN
+    rank for every peer; where links fail alone its sender is dropped instead."""
+    conn = ffn_of([0, 1], [(1, bad), (0, control(0, 0, (2,)))])
+    assert conn.recv_control().rows == ((2, 0),)
+    assert conn.peers_lost == [1]
+    monkeypatch.setattr(type(conn), "survives_peer_loss", False)
+    conn = ffn_of([0, 1], [(1, bad), (0, control(0, 0, (2,)))])
+    with pytest.raises(AFDPeerError, match="bad magic|announced step 5"):
+        conn.recv_control()
 
 
 def test_goodbyes_alone_are_no_step():

@@ -3,8 +3,10 @@
 The first message to come starts a step, however long the servers are idle; then every
 rank of its attention server is waited for (they step together; bounded by the step
 timeout, naming who is missing) and whatever else already arrived joins. A capture is
-served alone; goodbyes alone are no step; a peer whose control channel fails is dropped
-where the transport allows it.
+served alone; goodbyes alone are no step. Where the transport's links fail alone, a peer
+whose control channel fails, whose message is malformed or out of step, or that comes
+later than its server's other ranks by the step timeout is dropped, and the others are
+served on; elsewhere any of these stops the FFN rank.
 """
 
 from __future__ import annotations
@@ -120,11 +122,14 @@ class FFNStepAssembly:
             if item is None:
                 if missing:
                     ranks = ", ".join(str(self.peers[j]) for j in missing)
-                    raise AFDPeerError(
+                    late = AFDPeerError(
                         f"{self._me()}: attention rank(s) {ranks} did not announce their next "
                         f"step within {timeout_s:.0f}s of the other ranks of their server "
                         "(the ranks of one attention server step together)"
                     )
+                    # where links fail alone, the late ranks are lost, not the FFN rank
+                    for j in missing:
+                        self._lose_peer_or_raise(j, late)
                 return arrived
             self._take_control(item, arrived)
 
@@ -151,15 +156,21 @@ class FFNStepAssembly:
         try:
             msg = decode(payload, expect)
         except ControlError as exc:
-            raise AFDPeerError(f"{self._me()}: {exc}") from None
+            # a malformed message costs its sender (where links fail alone), not the others
+            self._lose_peer_or_raise(i, AFDPeerError(f"{self._me()}: {exc}"))
+            return
         if msg.is_heartbeat:
             return  # answered by its listener (a transport whose links fail alone)
         if msg.step != self._peer_step[i]:
-            raise AFDPeerError(
-                f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
-                f"{self._peer_step[i]} is next for it (a control message was lost or sent "
-                "twice; the two sides are out of step)"
+            self._lose_peer_or_raise(
+                i,
+                AFDPeerError(
+                    f"{self._me()}: attention rank {peer} announced step {msg.step}, but step "
+                    f"{self._peer_step[i]} is next for it (a control message was lost or sent "
+                    "twice; the two sides are out of step)"
+                ),
             )
+            return
         if not msg.is_shutdown and self._peer_server[i] not in {
             self._peer_server[j] for j in arrived
         }:
