@@ -176,3 +176,13 @@ def test_the_numbers_move_when_real_processes_run_steps(tmp_path):
     # connected while serving; gone once the peer said goodbye (the last snapshot)
     assert att["peer_up"] == {"0": 0} and ffn_["peer_up"] == {"0": 0}
     assert att["counters"]["failed_steps"] == 0 == ffn_["counters"]["failed_steps"]
+
+
+def test_exchange_wait_buckets_resolve_ten_microseconds_to_ten_seconds():
+    """Issue 36 (operators can watch it): GPU exchanges take 30-300 us; every bucket from
+    10 us to 10 s is at most 2.5x the one below it."""
+    from afd_core.metrics import WAIT_BUCKETS
+
+    assert WAIT_BUCKETS[0] == 1e-5 and 10.0 in WAIT_BUCKETS
+    inside = [b for b in WAIT_BUCKETS if b <= 10.0]
+    assert all(high / low <= 2.5 + 1e-9 for low, high in zip(inside, inside[1:], strict=False))

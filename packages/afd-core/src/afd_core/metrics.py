@@ -42,8 +42,11 @@ from afd_core import envs
 
 METRICS_DIR_ENV = envs.AFD_METRICS_DIR
 PUBLISH_INTERVAL_S = 1.0
-# seconds: an exchange on loopback takes tens of microseconds, a lost peer up to timeout_s
-WAIT_BUCKETS = (1e-5, 1e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+# seconds, 10 us to 10 s in steps of 1-2.5-5 (GPU exchanges take 30-300 us, an exchange
+# on loopback tens of microseconds, a CPU layer milliseconds), then a lost peer's wait
+WAIT_BUCKETS = tuple(
+    m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)
+) + (10.0, 30.0)
 ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
