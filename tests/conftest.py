@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 # set in a process by AFD's start-up check (prepare_afd_config) for the servers it starts:
 # a test that runs the check in the pytest process must not hand them to later servers
-PROCESS_MARKS = ("AFD_METRICS_DIR", "AFD_DEPLOYMENT_ROLE")
+PROCESS_MARKS = ("AFD_METRICS_DIR", "AFD_DEPLOYMENT_ROLE", "AFD_SERVER_RANKS")
 
 
 @pytest.fixture(autouse=True)

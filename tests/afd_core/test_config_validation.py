@@ -296,3 +296,23 @@ def test_without_async_dp_or_on_an_ffn_server_vllm_keeps_dp_lockstep(engine_conf
         data_parallel_size=2,
     )
     assert ffn.model_config.is_moe is True  # an expert group: its MoE layers need lockstep
+
+
+def test_a_server_spanning_hosts_marks_its_ranks_for_its_processes(engine_config, monkeypatch):
+    """Its ranks share their metrics through the rendezvous store (metrics.SnapshotShare):
+    the mark says which, and it is made before async DP makes each engine's config DP size
+    1; a server on one host makes none."""
+    from afd_core import envs
+
+    monkeypatch.delenv(envs.AFD_SERVER_RANKS, raising=False)
+    engine_config({"role": "attention", "num_attention_ranks": 2}, data_parallel_size=2)
+    assert envs.server_ranks() is None
+    for afd, ranks in (
+        ({"role": "attention", "num_attention_ranks": 4, "start_rank": 2}, [2, 3]),
+        ({"role": "attention", "num_attention_ranks": 2, "async_dp": True}, [0, 1]),
+        ({"role": "ffn", "num_ffn_ranks": 2, "num_attention_ranks": 2}, [0, 1]),
+    ):
+        monkeypatch.delenv(envs.AFD_SERVER_RANKS, raising=False)
+        # the head host's flags: one of the two data-parallel ranks here, one elsewhere
+        engine_config(afd, data_parallel_size=2, data_parallel_size_local=1)
+        assert envs.server_ranks() == ranks, afd

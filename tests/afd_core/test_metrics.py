@@ -186,3 +186,321 @@ def test_exchange_wait_buckets_resolve_ten_microseconds_to_ten_seconds():
     assert WAIT_BUCKETS[0] == 1e-5 and 10.0 in WAIT_BUCKETS
     inside = [b for b in WAIT_BUCKETS if b <= 10.0]
     assert all(high / low <= 2.5 + 1e-9 for low, high in zip(inside, inside[1:], strict=False))
+
+
+# -- a server spanning hosts: snapshots shared through the rendezvous store ---------------
+
+
+class DictStore:
+    """The rendezvous store as SnapshotShare sees it, in memory; `down` fails every call
+    (the store went with FFN rank 0)."""
+
+    def __init__(self, values: dict | None = None):
+        self.values = {} if values is None else values
+        self.down = False
+        self.closed = False
+
+    def store_set(self, key, value):
+        if self.down:
+            raise ConnectionError("store gone")
+        self.values[key] = value
+
+    def store_try_get(self, key):
+        if self.down:
+            raise ConnectionError("store gone")
+        return self.values.get(key)
+
+    def close(self):
+        self.closed = True
+
+
+def two_hosts(tmp_path, role="attention"):
+    """Rank 0 on the head host (relays into head/), rank 1 on another host (its own
+    directory, which no API server reads), sharing one store."""
+    from afd_core.metrics import SnapshotShare
+
+    store = DictStore()
+    head = RoleMetrics(role, 0, str(tmp_path / "head"))
+    remote = RoleMetrics(role, 1, str(tmp_path / "remote"))
+    shares = [SnapshotShare(m, 0, [0, 1], lambda: store) for m in (head, remote)]
+    return store, head, remote, *shares
+
+
+def shown(tmp_path) -> dict:
+    return {(s["role"], s["rank"]): s for s in AFDCollector(str(tmp_path / "head"))._snapshots()}
+
+
+def test_the_head_shows_another_hosts_rank_once_its_snapshot_moves(tmp_path):
+    store, head, remote, head_share, remote_share = two_hosts(tmp_path)
+    assert head_share.relayed == [1] and remote_share.relayed == []  # the first rank relays
+    remote.set_peers([0], True)
+    remote.add("steps", 3)
+    remote_share.share_once()
+    head_share.share_once()
+    # a first value read may be an old process's: not shown until it moves
+    assert ("attention", 1) not in shown(tmp_path)
+    assert sorted(store.values) == ["afd/metrics/attention/0/0", "afd/metrics/attention/0/1"]
+    remote.add("steps")
+    remote_share.share_once()
+    head_share.share_once()
+    snap = shown(tmp_path)[("attention", 1)]
+    assert snap["counters"]["steps"] == 4 and snap["peer_up"] == {"0": 1}
+    assert "stale_s" not in snap
+    assert snap["pid"] == os.getpid()  # the relay's: the collector keeps it while it lives
+    # the other host's own directory is not the head's
+    assert not list((tmp_path / "head").glob("attention-1-*"))
+
+
+def test_a_relayed_rank_that_stops_reporting_shows_down_and_back(tmp_path, monkeypatch):
+    import time
+
+    from afd_core import metrics
+
+    _, _, remote, head_share, remote_share = two_hosts(tmp_path)
+    remote.set_peers([0], True)
+    for _ in range(2):
+        remote_share.share_once()
+        head_share.share_once()
+    assert shown(tmp_path)[("attention", 1)]["peer_up"] == {"0": 1}
+    # the remote rank stops writing (its process or host stopped): the head reads the same
+    # snapshot again and again; past STALE_AFTER_S it shows every peer down
+    head_share.share_once()
+    later = time.time() + metrics.STALE_AFTER_S + 1
+    monkeypatch.setattr(metrics.time, "time", lambda: later)
+    head_share.share_once()
+    snap = shown(tmp_path)[("attention", 1)]
+    assert snap["peer_up"] == {"0": 0} and snap["stale_s"] > metrics.STALE_AFTER_S
+    # it reports again: up at once
+    remote_share.share_once()
+    head_share.share_once()
+    snap = shown(tmp_path)[("attention", 1)]
+    assert snap["peer_up"] == {"0": 1} and "stale_s" not in snap
+
+
+def test_a_relay_that_stops_refreshing_shows_its_ranks_down(tmp_path, monkeypatch):
+    """The store gone (FFN rank 0 lost) or the relay stuck: the relayed files are not
+    refreshed, and the collector's own clock makes them stale."""
+    import time
+
+    from afd_core import metrics
+
+    store, _, _, head_share, remote_share = two_hosts(tmp_path)
+    for _ in range(2):
+        remote_share.share_once()
+        head_share.share_once()
+    store.down = True
+    remote_share.share_once()  # swallowed: metrics never stop a rank
+    head_share.share_once()
+    later = time.time() + metrics.STALE_AFTER_S + 1
+    monkeypatch.setattr(metrics.time, "time", lambda: later)
+    assert "stale_s" in shown(tmp_path)[("attention", 1)]
+
+
+def test_a_failed_store_is_dropped_and_reopened(tmp_path):
+    from afd_core.metrics import SnapshotShare
+
+    values, opened = {}, []
+
+    def open_store():
+        if len(opened) == 1:  # the second open fails: FFN rank 0 not back yet
+            opened.append(None)
+            raise ConnectionError("nobody listens")
+        opened.append(DictStore(values))
+        return opened[-1]
+
+    m = RoleMetrics("ffn", 1, str(tmp_path))
+    share = SnapshotShare(m, 0, [0, 1], open_store)
+    share.share_once()
+    assert json.loads(values["afd/metrics/ffn/0/1"])["seq"] == 1
+    opened[0].down = True
+    share.share_once()  # fails: the client is closed and dropped
+    assert opened[0].closed
+    share.share_once()  # the open fails
+    share.share_once()  # a fresh client
+    assert len(opened) == 3 and json.loads(values["afd/metrics/ffn/0/1"])["seq"] == 3
+
+
+def test_a_local_snapshot_wins_over_a_relayed_one(tmp_path):
+    """The head host's other ranks share their snapshots too: the head's own file of a rank
+    is the one shown while its process lives."""
+    from afd_core.metrics import SnapshotShare
+
+    store = DictStore()
+    head = RoleMetrics("attention", 0, str(tmp_path / "head"))
+    local = RoleMetrics("attention", 1, str(tmp_path / "head"))
+    shares = [SnapshotShare(m, 0, [0, 1], lambda: store) for m in (head, local)]
+    local.add("steps", 5)
+    local.publish(now=True)
+    for _ in range(2):
+        for share in reversed(shares):
+            share.share_once()
+    assert list((tmp_path / "head").glob("relayed-attention-1-*.json"))
+    snaps = [s for s in AFDCollector(str(tmp_path / "head"))._snapshots() if s["rank"] == 1]
+    assert len(snaps) == 1 and "relayed" not in snaps[0]
+
+
+def test_a_snapshot_published_now_is_shared_at_once(tmp_path):
+    """A peer lost or back reaches the store without waiting for the next interval; the
+    thread's last write is the closing rank's snapshot, and a relay removes its files."""
+    import time
+
+    from afd_core.metrics import SnapshotShare
+
+    store = DictStore()
+    m = RoleMetrics("attention", 1, str(tmp_path))
+    share = SnapshotShare(m, 0, [0, 1], lambda: store, interval_s=60.0)
+    m.share = share
+    share.start()
+    m.set_peers([0], False)
+    m.publish(now=True)
+    deadline = time.monotonic() + 5
+    while "afd/metrics/attention/0/1" not in store.values:
+        assert time.monotonic() < deadline, "not shared at once"
+        time.sleep(0.01)
+    assert json.loads(store.values["afd/metrics/attention/0/1"])["peer_up"] == {"0": 0}
+    m.add("steps")
+    share.close()
+    share._thread.join(5)
+    assert json.loads(store.values["afd/metrics/attention/0/1"])["counters"]["steps"] == 1
+    assert store.closed
+
+
+@pytest.mark.vllm  # prometheus_client comes with vLLM (not in the afd-core lane)
+def test_a_stale_relayed_rank_scrapes_with_its_peers_down(tmp_path, monkeypatch):
+    import time
+
+    from afd_core import metrics
+
+    _, _, remote, head_share, remote_share = two_hosts(tmp_path)
+    remote.set_peers([0], True)
+    remote.add("steps", 2)
+    for _ in range(2):
+        remote_share.share_once()
+        head_share.share_once()
+    text = scrape(tmp_path / "head")
+    assert 'afd_steps_total{rank="1",role="attention"} 2.0' in text
+    assert 'afd_peer_up{peer="0",rank="1",role="attention"} 1.0' in text
+    later = time.time() + metrics.STALE_AFTER_S + 1
+    monkeypatch.setattr(metrics.time, "time", lambda: later)
+    text = scrape(tmp_path / "head")
+    assert 'afd_peer_up{peer="0",rank="1",role="attention"} 0.0' in text
+    assert 'afd_steps_total{rank="1",role="attention"} 2.0' in text  # its last numbers
+
+
+def spanning_ffn(rank, port, marks, q):
+    """FFN rank `rank` of two; FFN rank 1 crashes in the middle of a step once told to."""
+    try:
+        import threading
+
+        from afd_core.step.ffn import FFNStepServer
+
+        conn = make("ffn", rank, 2, 2, port, layers=LAYERS)
+        conn.init()
+
+        def compute(layer, h, *_):
+            if rank == 1 and layer == 1 and (marks / "crash").exists():
+                os._exit(9)  # its store client, links and share gone
+            return h + 1
+
+        FFNStepServer(conn, list(range(LAYERS)), compute).serve(threading.Event())
+        conn.close()
+        q.put((f"ffn{rank}", "ok"))
+    except Exception:
+        q.put((f"ffn{rank}", "ERROR " + traceback.format_exc()))
+
+
+def spanning_attention(rank, port, marks, q):
+    """Attention ranks 0 and 1 of one server on two "hosts" (a metrics directory each),
+    served by FFN ranks 0 and 1: rank 0 (the head's) sees rank 1's steps, then rank 1
+    without its FFN rank (/health's check), then rank 1 silent once it stopped."""
+    import time
+
+    import torch
+
+    from afd_core import metrics
+    from afd_core.connectors.base import AFDFFNLostError
+    from tests.afd_core.gloo_harness import wait_for
+
+    def step():
+        conn.begin_step((2,))
+        h = torch.zeros(2, HIDDEN)
+        for layer in range(LAYERS):
+            h = conn.start_exchange(h, layer, 0).wait()
+        conn.end_step()
+
+    try:
+        os.environ["AFD_METRICS_DIR"] = str(marks / f"host{rank}")
+        conn = make("attention", rank, 2, 2, port, layers=LAYERS)
+        conn.init()
+        conn.share_metrics([0, 1])
+        for _ in range(STEPS):
+            step()
+        if rank == 1:
+            wait_for(marks / "crash", 30)
+            try:
+                step()
+            except AFDFFNLostError:
+                pass
+            wait_for(marks / "seen-lost", 30)
+            conn.close()
+            (marks / "closed").touch()
+            q.put((rank, "ok"))
+            return
+        metrics._registered = metrics.AFDCollector(os.environ["AFD_METRICS_DIR"], os.getpid())
+        deadline = time.monotonic() + 30
+
+        def rank1(until):
+            while not until(snap := next((s for s in metrics._registered._snapshots()
+                                          if s["rank"] == 1), None)):  # fmt: skip
+                assert time.monotonic() < deadline, f"rank 1 on the head: {snap}"
+                time.sleep(0.1)
+            return snap
+
+        shown = rank1(lambda s: s is not None and s["counters"]["steps"] == STEPS)
+        healthy = metrics.ffn_ranks_gone()
+        (marks / "crash").touch()
+        rank1(lambda s: s["peer_up"] == {"1": 0})
+        lost = metrics.ffn_ranks_gone()
+        (marks / "seen-lost").touch()
+        wait_for(marks / "closed", 30)
+        metrics.STALE_AFTER_S = 1.5
+        stale = rank1(lambda s: "stale_s" in s)
+        silent = metrics.ffn_ranks_gone()
+        conn.close()
+        q.put((rank, {"shown": shown, "healthy": healthy, "lost": lost, "stale": stale,
+                      "silent": silent}))  # fmt: skip
+    except Exception:
+        q.put((rank, "ERROR " + traceback.format_exc()))
+
+
+@pytest.mark.vllm  # needs torch
+def test_a_rank_on_another_host_shows_on_the_heads_metrics_and_health(tmp_path, monkeypatch):
+    """Real processes, the store behind the deployment secret's gate: each attention rank
+    shares its snapshot through its own client of FFN rank 0's store, the server's first
+    rank relays the other's into its directory; the other rank's FFN rank lost, and the
+    other rank stopped, each make the head's /health check fail."""
+    monkeypatch.setenv("AFD_DEPLOYMENT_SECRET", "a-secret-of-enough-length-for-the-gate")
+    port = free_port()
+    out = run_processes(
+        [
+            (spanning_ffn, 0, port, tmp_path),
+            (spanning_ffn, 1, port, tmp_path),
+            (spanning_attention, 0, port, tmp_path),
+            (spanning_attention, 1, port, tmp_path),
+        ],
+        expect=3,  # FFN rank 1 crashes
+    )
+    assert_no_errors(out)
+    head = out[0]
+    shown, stale = head["shown"], head["stale"]
+    assert shown["relayed"]["pid"] != shown["pid"] and shown["peer_up"] == {"1": 1}
+    assert head["healthy"] == []
+    assert head["lost"] == ["attention rank 1 has no FFN rank 1"]
+    assert stale["peer_up"] == {"1": 0} and stale["counters"]["steps"] == STEPS + 1
+    assert stale["counters"]["failed_steps"] == 1 and stale["counters"]["peers_lost"] == 1
+    (silent,) = head["silent"]
+    assert silent.startswith("attention rank 1 (another host's) has not reported for"), silent
+    # the other host's directory has rank 1's own snapshot only (the head's is relayed)
+    assert [p.name.split("-")[:2] for p in (tmp_path / "host1").glob("*.json")] == [
+        ["attention", "1"]
+    ]

@@ -3,9 +3,11 @@ tests/netns.py), each running its part of one deployment spec with `afd launch S
 NAME`: 2A1F with the attention server's data-parallel group across two hosts (head with
 the API server, the other headless: vLLM's multi-node flags) and the FFN server on the
 third; 2A2F with the FFN server's expert group (two FFN ranks) across two hosts. Greedy
-tokens identical to the colocated server's. The deployment has a secret: a fourth host
-without it is refused at the rendezvous (a raw store client, and an AFD rank), and nothing
-of AFD listens anywhere but on each host's address."""
+tokens identical to the colocated server's; the head of the server spanning hosts shows the
+other host's rank on its /metrics (relayed through the rendezvous store) and stays
+healthy. The deployment has a secret: a fourth host without it is refused at the
+rendezvous (a raw store client, and an AFD rank), and nothing of AFD listens anywhere but
+on each host's address."""
 
 from __future__ import annotations
 
@@ -62,6 +64,20 @@ except Exception as exc:
 """
 
 
+# the ranks of a server's role on its /metrics, once each shows steps (at most `wait` s: the
+# other host's come through the rendezvous store, once a second)
+METRICS = """
+import json, sys, time
+from tests.e2e.conftest import rank_steps
+url, role, ranks, wait = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+deadline = time.monotonic() + wait
+while not all(rank_steps(url, role).get(r, 0) > 0 for r in ranks):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(1)
+print(json.dumps(rank_steps(url, role)))
+"""
+
 # layout -> (host names, the servers' TOML; the first host holds FFN rank 0, the client
 # talks to the attention server's head on `API_HOST`)
 LAYOUTS = {
@@ -104,6 +120,11 @@ hosts = "a0"
     ),
 }
 API_HOST = "a0"
+# layout -> the server spanning hosts: its head host, API port and role (its ranks 0, 1)
+SPANNING = {
+    "2a1f-attention-dp-across-hosts": ("a0", 8000, "attention"),
+    "2a2f-ffn-expert-group-across-hosts": ("f0", 8100, "ffn"),
+}
 
 
 def _spec(model: str, layout: str, machines, secret_file) -> str:
@@ -191,6 +212,15 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
             refused = _in(stranger, "-c", STRANGER_WITHOUT_SECRET, machines[0].address, "29650")
             rows = json.loads(_in(api, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
             got = [Completion(*row) for row in rows]
+            # the server spanning hosts: its head's /metrics shows both hosts' ranks, and
+            # the attention server's /health stays 200 (the relayed rank reports on)
+            head, port, role = SPANNING[layout]
+            head_url = f"http://{by_name[head].address}:{port}"
+            t0 = time.monotonic()
+            steps = json.loads(_in(by_name[head], "-c", METRICS, head_url, role, "[0, 1]", "30"))
+            print(f"{layout}: {role} steps on {head}'s /metrics after "
+                  f"{time.monotonic() - t0:.1f} s: {steps}")  # fmt: skip
+            healthy = _in(api, "-c", HEALTH, url)
             # hosts running no API server: only AFD and vLLM's workers listen there
             quiet = [m for n, m in by_name.items() if n != API_HOST]
             sockets = {m.name: listeners(m.name) for m in quiet}
@@ -217,6 +247,8 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
         assert "STRANGER-REFUSED" in refused and "STRANGER-WROTE" not in refused, refused
         assert "NOSECRET-REFUSED" in refused and "requires the deployment secret" in refused
         assert_same(reference(ARCH, colocated), got)
+        assert steps.get("0", 0) > 0 and steps.get("1", 0) > 0, steps
+        assert healthy == "200", healthy
         # every listener on the host's own address or loopback (AFD's secret gate: FFN rank
         # 0's store and each rank's forwarder to the gate), but vLLM's own torch.distributed
         # store (`distributed_init_method=tcp://...`, which torch's TCPStore serves on every

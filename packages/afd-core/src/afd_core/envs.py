@@ -26,6 +26,11 @@ AFD_CHANNEL_INTERFACE = "AFD_CHANNEL_INTERFACE"
 # Where a server's AFD ranks write the numbers its /metrics shows (metrics.py); set by the
 # server's first process unless the user sets it.
 AFD_METRICS_DIR = "AFD_METRICS_DIR"
+# Set by AFD itself in a server that spans hosts (vLLM's multi-node flags), for the
+# processes it starts: its ranks of its role, "FIRST:COUNT". They share their metrics
+# through the rendezvous store, so the head host's /metrics shows every host's (metrics.py).
+# Set at config time: an async-DP engine's own config no longer says its server's size.
+AFD_SERVER_RANKS = "AFD_SERVER_RANKS"
 # Where generated tiny checkpoints are kept (afd_models.tiny: `afd demo`, `afd bench`, tests).
 AFD_CACHE_DIR = "AFD_CACHE_DIR"
 # vLLM's own variable that selects a MoE routing-simulation strategy.
@@ -42,6 +47,7 @@ ALL = {
     AFD_CHANNEL_ADDRESS: "local address AFD's channels bind to (default: the one routed to afd.host)",
     AFD_CHANNEL_INTERFACE: "network interface AFD's channels bind to (instead of an address)",
     AFD_METRICS_DIR: "where AFD ranks write what /metrics shows (default: a temporary folder)",
+    AFD_SERVER_RANKS: "set by AFD at start-up in a server spanning hosts (its ranks, FIRST:COUNT)",
     AFD_CACHE_DIR: "where generated tiny checkpoints are kept (default: ~/.cache/afd)",
 }
 
@@ -82,3 +88,19 @@ def mark_deployment(role: str) -> None:
 def in_deployment() -> bool:
     """Whether this process, or the one that started it, parsed an AFD config."""
     return bool(os.environ.get(AFD_DEPLOYMENT_ROLE))
+
+
+def mark_server_ranks(ranks: range) -> None:
+    """This process starts a server spanning hosts with these ranks of its role: so do its
+    children. Never unset here: a config made again later in a process (an async-DP engine's
+    own, of data-parallel size 1) does not say its server's size."""
+    os.environ[AFD_SERVER_RANKS] = f"{ranks.start}:{len(ranks)}"
+
+
+def server_ranks() -> list[int] | None:
+    """The ranks of this process's server if it spans hosts (mark_server_ranks), else None."""
+    first, _, count = os.environ.get(AFD_SERVER_RANKS, "").partition(":")
+    try:
+        return list(range(int(first), int(first) + int(count)))
+    except ValueError:
+        return None

@@ -11,6 +11,13 @@ registered when the plugin loads) reads every live process's snapshot at each sc
 The first process of a server that loads the plugin makes the directory and sets the
 variable, so the processes vLLM starts from it inherit it.
 
+A server spanning hosts (vLLM's `--headless` ranks on other hosts) has its API server on the
+head host only: there each rank also shares its snapshot through the deployment's
+rendezvous store (`SnapshotShare`, once a second, from a thread of its own with a store
+client of its own), and the server's first rank, under the API server, writes the other
+ranks' snapshots into its directory as relayed ones. A relayed rank whose snapshot has not
+changed for STALE_AFTER_S (its process, its host or the store stopped) shows as down.
+
 Metrics (labels role, rank; per-peer ones also peer):
   afd_peer_up                      1 while the peer is served / connected, 0 once lost or gone
   afd_exchange_wait_seconds        time a rank waited for the other side's rows (histogram)
@@ -36,17 +43,24 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from afd_core import envs
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
 
 METRICS_DIR_ENV = envs.AFD_METRICS_DIR
 PUBLISH_INTERVAL_S = 1.0
+# a relayed rank (another host's) whose snapshot has not changed for this long shows as down:
+# its snapshot is shared every PUBLISH_INTERVAL_S, so only a stopped process, host or store
+# (or one stalled that long) misses five in a row
+STALE_AFTER_S = 5.0
 # seconds, 10 us to 10 s in steps of 1-2.5-5 (GPU exchanges take 30-300 us, an exchange
 # on loopback tens of microseconds, a CPU layer milliseconds), then a lost peer's wait
-WAIT_BUCKETS = tuple(
-    m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)
-) + (10.0, 30.0)
+WAIT_BUCKETS = tuple(m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)) + (10.0, 30.0)
 ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -92,6 +106,7 @@ class RoleMetrics:
         self._last_publish = 0.0
         self._deferred: threading.Timer | None = None  # the held-back write, if one is due
         self._lock = threading.Lock()
+        self.share: SnapshotShare | None = None  # set on a server spanning hosts
 
     def add(self, counter: str, amount: float = 1) -> None:
         self.counters[counter] += amount
@@ -113,7 +128,10 @@ class RoleMetrics:
 
     def publish(self, now: bool = False) -> None:
         """Write the snapshot (at most once per PUBLISH_INTERVAL_S unless `now`; one held
-        back is written when the interval ends)."""
+        back is written when the interval ends). `now` (a peer lost or back) also shares
+        it at once where the rank shares its snapshots (`SnapshotShare`)."""
+        if now and self.share is not None:
+            self.share.wake()
         if not self.directory:
             return
         t = time.monotonic()
@@ -125,21 +143,162 @@ class RoleMetrics:
                     self._deferred.daemon = True
                     self._deferred.start()
             return
-        self._last_publish = t
+        self._write()
+
+    def _write(self) -> None:
+        self._last_publish = time.monotonic()
         with self._lock:  # a peer lost on one thread while another ends a step
             path = Path(self.directory) / f"{self.role}-{self.rank}-{os.getpid()}.json"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)  # removed by whoever made it
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self.snapshot()))
-                os.replace(tmp, path)  # a scrape never reads half a file
-            except OSError:
-                pass  # metrics never stop serving
+            write_snapshot(path, self.snapshot())
 
     def _publish_deferred(self) -> None:
         with self._lock:
             self._deferred = None
-        self.publish(now=True)
+        self._write()
+
+
+def write_snapshot(path: Path, snap: dict) -> None:
+    """Write one snapshot file whole (a scrape never reads half a file); never raises."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # removed by whoever made it
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(snap))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # metrics never stop serving
+
+
+class SharedStore(Protocol):
+    """What SnapshotShare needs of the rendezvous store (a connector's Transport has it)."""
+
+    def store_set(self, key: str, value: bytes) -> None: ...
+
+    def store_try_get(self, key: str) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+def share_key(role: str, server: int, rank: int) -> str:
+    """The store key of a rank's shared snapshot (`server`: its server's first rank)."""
+    return f"afd/metrics/{role}/{server}/{rank}"
+
+
+class SnapshotShare:
+    """One rank of a server that spans hosts, in a thread of its own: every
+    PUBLISH_INTERVAL_S (and at once when woken: a peer lost or back) it writes the rank's
+    snapshot, numbered, to the rendezvous store. On the server's first rank (its head host,
+    under the API server) it also reads the server's other ranks' snapshots and writes each
+    one that moves into the local directory as relayed, with when it last moved (this
+    host's clock): the collector shows a relayed rank as down once that is older than
+    STALE_AFTER_S. A store round trip never runs on a serving thread, and a failed one (the
+    store went with FFN rank 0) is retried with a fresh client the next second."""
+
+    def __init__(
+        self,
+        metrics: RoleMetrics,
+        server: int,
+        ranks: list[int],
+        open_store: Callable[[], SharedStore],
+        interval_s: float = PUBLISH_INTERVAL_S,
+    ):
+        self.metrics, self.server, self.interval_s = metrics, server, interval_s
+        self._open_store = open_store  # a store client of its own (blocking: this thread)
+        # the first rank relays the others (a rank relays nothing of its own)
+        self.relayed = [r for r in ranks if r != metrics.rank] if metrics.rank == server else []
+        self._store: SharedStore | None = None
+        self._seq = 0
+        self._marks: dict[int, tuple] = {}  # rank -> (pid, seq) of its last snapshot read
+        self._moved: dict[int, float] = {}  # rank -> when (time.time()) it last moved
+        self._failing = False
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"afd-{metrics.role}-{metrics.rank}-metrics", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop after one last write (the rank's final snapshot)."""
+        self._stop.set()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            self.share_once()
+            if stopping:
+                break
+        self._drop_store()
+        for rank in self._moved:
+            path = self._relayed_path(rank)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def share_once(self) -> None:
+        """One write of this rank's snapshot, and on the first rank one read of the
+        others'; a failure drops the store client (metrics never stop a rank)."""
+        try:
+            if self._store is None:
+                self._store = self._open_store()
+            role, self._seq = self.metrics.role, self._seq + 1
+            snap = self.metrics.snapshot() | {"seq": self._seq}  # moves even when idle
+            self._store.store_set(share_key(role, self.server, self.metrics.rank),
+                                  json.dumps(snap).encode())  # fmt: skip
+            for rank in self.relayed:
+                self._relay(rank, self._store.store_try_get(share_key(role, self.server, rank)))
+        except Exception as exc:  # noqa: BLE001 - the store may be gone with FFN rank 0
+            if not self._failing and not self._stop.is_set():  # not the store closing
+                logger.warning(
+                    "AFD %s rank %d: cannot share its metrics through the rendezvous store "
+                    "(%s: %s); retrying every %.0f s",
+                    self.metrics.role,
+                    self.metrics.rank,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0][:200] if str(exc) else "",
+                    self.interval_s,
+                )
+            self._failing = True
+            self._drop_store()
+            return
+        self._failing = False
+
+    def _relay(self, rank: int, raw: bytes | None) -> None:
+        if raw is None:
+            return
+        try:
+            snap = json.loads(raw)
+            mark = (snap["pid"], snap["seq"])
+        except (ValueError, KeyError, TypeError):
+            return
+        # the first value read may be an old one (a previous process's): only a snapshot
+        # that moves counts as live
+        if rank in self._marks and self._marks[rank] != mark:
+            self._moved[rank] = time.time()
+        self._marks[rank] = mark
+        path = self._relayed_path(rank)
+        if rank in self._moved and path is not None:
+            relayed = {"pid": snap["pid"], "moved": self._moved[rank]}
+            write_snapshot(path, snap | {"pid": os.getpid(), "relayed": relayed})
+
+    def _relayed_path(self, rank: int) -> Path | None:
+        if not self.metrics.directory:
+            return None
+        name = f"relayed-{self.metrics.role}-{rank}-{os.getpid()}.json"
+        return Path(self.metrics.directory) / name
+
+    def _drop_store(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - its store may be gone
+                pass
 
 
 def ensure_metrics_dir() -> str:
@@ -193,15 +352,27 @@ class AFDCollector:
         self.root_pid = os.getpid() if root_pid is None else root_pid
 
     def _snapshots(self) -> list[dict]:
-        out = []
+        """The live snapshots: this server's processes' own, and those their relays
+        brought from other hosts (a rank with a snapshot here shows that one); a relayed
+        one older than STALE_AFTER_S shows every peer down, with its age (`stale_s`)."""
+        own, relayed = [], []
         for path in sorted(Path(self.directory).glob("*.json")):
             try:
                 snap = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
             if _descends_from(int(snap.get("pid", 0)), self.root_pid):
-                out.append(snap)
-        return out
+                (relayed if "relayed" in snap else own).append(snap)
+        here = {(s["role"], s["rank"]) for s in own}
+        now = time.time()
+        for snap in relayed:
+            if (snap["role"], snap["rank"]) in here:
+                continue
+            age = now - float(snap["relayed"].get("moved", 0))
+            if age > STALE_AFTER_S:
+                snap = snap | {"peer_up": dict.fromkeys(snap["peer_up"], 0), "stale_s": age}
+            own.append(snap)
+        return own
 
     def collect(self):
         from prometheus_client.core import (
@@ -296,16 +467,26 @@ _registered: AFDCollector | None = None
 
 def ffn_ranks_gone() -> list[str]:
     """This server's attention ranks that no FFN rank serves now, as the snapshots on its
-    /metrics show them (afd_peer_up 0); [] in a process that registered no collector."""
+    /metrics show them (afd_peer_up 0), and those on other hosts that stopped reporting;
+    [] in a process that registered no collector."""
     if _registered is None:
         return []
-    return [
-        f"attention rank {snap['rank']} has no FFN rank {peer}"
-        for snap in _registered._snapshots()
-        if snap.get("role") == "attention"
-        for peer, up in snap.get("peer_up", {}).items()
-        if not up
-    ]
+    gone = []
+    for snap in _registered._snapshots():
+        if snap.get("role") != "attention":
+            continue
+        if "stale_s" in snap:
+            gone.append(
+                f"attention rank {snap['rank']} (another host's) has not reported for "
+                f"{snap['stale_s']:.0f} s"
+            )
+            continue
+        gone += [
+            f"attention rank {snap['rank']} has no FFN rank {peer}"
+            for peer, up in snap.get("peer_up", {}).items()
+            if not up
+        ]
+    return gone
 
 
 def register_collector() -> None:

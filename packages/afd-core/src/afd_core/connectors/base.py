@@ -180,6 +180,13 @@ class AFDConnector(ABC):
     def abort(self, reason: str) -> None:
         """Tell the peers this rank stops the deployment, with the reason (best effort)."""
 
+    def share_metrics(self, ranks: list[int]) -> None:
+        """On a server spanning hosts (`ranks`: all of its ranks of this role): share this
+        rank's metrics snapshots through the rendezvous store, so that its head host's
+        /metrics and /health see every rank (afd_core.metrics.SnapshotShare). A connector
+        without a rendezvous store shares nothing."""
+        return None
+
     def watch_replay(self, what: str) -> None:
         """A device graph holding this rank's exchanges was just replayed: bound it as the
         transport bounds a posted operation (no-op where operations block the host)."""

@@ -49,9 +49,10 @@ from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.membership import StartupMembership
 from afd_core.connectors.order import FFNOrder
 from afd_core.connectors.rejoin import Rejoining, RejoinWatch
-from afd_core.connectors.transport import Transport
+from afd_core.connectors.rendezvous import _listening
+from afd_core.connectors.transport import Transport, TransportError
 from afd_core.log import get_logger
-from afd_core.metrics import RoleMetrics
+from afd_core.metrics import RoleMetrics, SnapshotShare
 from afd_core.topology import Topology
 from afd_core.trace import trace_for
 
@@ -117,6 +118,7 @@ class PointToPointConnector(
         self._ring_next = 0
         self._trace = trace_for(config.role, role_rank)
         self.metrics = RoleMetrics(config.role, role_rank)  # on the server's /metrics
+        self._share: SnapshotShare | None = None  # a server spanning hosts: share_metrics
         self._busy_since = 0.0  # FFN side: when the step in flight was assembled
 
     # -- hooks for a transport ----------------------------------------------------------
@@ -153,6 +155,24 @@ class PointToPointConnector(
         # start-up's bound (a side group's members start together: connect's)
         if connect_scale == 1.0:
             transport.formation_timeout_s = max(extra.startup_timeout_s, extra.connect_timeout_s)
+        return transport
+
+    def share_metrics(self, ranks: list[int]) -> None:
+        if self._share is not None or self._closed:
+            return
+        self._share = SnapshotShare(self.metrics, self.config.start_rank, ranks, self._store_client)
+        self.metrics.share = self._share
+        self._share.start()
+
+    def _store_client(self) -> Transport:
+        """A rendezvous store client of its own, for a thread outside the protocol: the
+        connector's client serves the serving path (the store serializes a client's round
+        trips) and goes with the link when the FFN rank is lost (ffn_return.py)."""
+        if not _listening(self.config.host, self.config.port):  # FFN rank 0 gone: try later
+            raise TransportError(f"nothing listens at {self.config.host}:{self.config.port}")
+        transport = self.make_side_transport("metrics", 0, 1, connect_scale=1.0)
+        transport.formation_timeout_s = None  # connect_timeout_s: the store is up already
+        transport.open_store()
         return transport
 
     def _bound_step(self, flags) -> None:
@@ -199,6 +219,8 @@ class PointToPointConnector(
         with self._lock:
             if self._closed or self._transport is None:
                 self._closed = True
+                if self._share is not None:
+                    self._share.close()
                 return
             self._closed = True
             transport = self._transport
@@ -208,6 +230,8 @@ class PointToPointConnector(
             self._rejoin_watch.close()
         self.metrics.set_peers(self._metric_peers(), False)
         self.metrics.publish(now=True)
+        if self._share is not None:
+            self._share.close()  # after one last write: this rank's peers are gone
         if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
                 with self.control_lock:

@@ -329,6 +329,8 @@ def prepare_afd_config(device_type: str, vllm_config):
     validate_deployment(afd, vllm_config, device_type)
     validate_model(afd, vllm_config)
     pc = vllm_config.parallel_config
+    if (ranks := ranks_across_hosts(afd, pc)) is not None:
+        envs.mark_server_ranks(ranks)  # before async DP makes each engine's config DP size 1
     m = resolve_microbatches(afd, pc)
     if device_type == "cuda":
         validate_cuda_microbatches(m, vllm_config, adaptive=afd.adaptive_microbatches)
@@ -358,6 +360,17 @@ def prepare_afd_config(device_type: str, vllm_config):
             pc.data_parallel_size,
         )
     return afd, m
+
+
+def ranks_across_hosts(afd, pc) -> range | None:
+    """This server's ranks of its role if it spans hosts (vLLM's multi-node flags: some of
+    its data-parallel ranks, or nodes, on another host), else None. Its API server, on the
+    head host, sees that host's processes only: the ranks share their metrics through the
+    rendezvous store then (`AFDConnector.share_metrics`)."""
+    if pc.data_parallel_size_local >= pc.data_parallel_size and pc.nnodes <= 1:
+        return None
+    per_dp_rank = 1 if afd.is_ffn else pc.tensor_parallel_size
+    return range(afd.start_rank, afd.start_rank + pc.data_parallel_size * per_dp_rank)
 
 
 def _check_and_update_config(original, cls, vllm_config) -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from afd_core import envs
 from afd_core.config import require_afd_config
 from afd_core.connectors.base import AFDConnector, AFDPeerError, WireSpec
 from afd_core.connectors.factory import build_connector
@@ -140,6 +141,13 @@ class _Role:
         self.connector = build_connector(self.config, self.rank, wire)
         self.connector.steps_with = steps_with(self.vllm_config, self.config, self.rank)
         self.connector.init()
+        self._share_metrics()
+
+    def _share_metrics(self) -> None:
+        """On a server spanning hosts: its head host's /metrics and /health see this rank
+        (`AFDConnector.share_metrics`)."""
+        if (ranks := envs.server_ranks()) is not None:
+            self.connector.share_metrics(ranks)
 
 
 def split_policy(vllm_config, afd) -> SplitPolicy:
@@ -269,6 +277,7 @@ class FFNRole(_Role):
             self._join_as_follower(wire)
             return
         self.connector.init()
+        self._share_metrics()
         if self.tp_size > 1:
             self.tp_leader = TensorParallelLeader(self._tp_transport(), self.tp_size, self.rank)
         if self.dp_size > 1:
