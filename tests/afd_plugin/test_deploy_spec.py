@@ -238,6 +238,19 @@ def test_each_platform_runs_with_graph_flags_afd_takes_unless_the_args_choose(
         assert graph == [] and ffn[-len(args) :] == args
 
 
+def test_a_data_parallel_servers_head_runs_one_api_server_unless_the_args_choose():
+    """`vllm serve` would start one API server per data-parallel rank, whose /metrics and
+    /health know nothing of AFD's ranks (docs/metrics.md); a headless part runs none."""
+    d = check_spec(example())
+    ffn, head, headless = (c.argv for c in commands(d, ["vllm", "serve"]))
+    assert " ".join(head).count("--api-server-count 1") == 1
+    assert "--api-server-count" not in ffn + headless  # one rank; headless
+    raw = example()
+    raw["servers"][1]["args"] = ["--api_server_count=2"]  # vLLM reads `_` as `-`
+    head = commands(check_spec(raw), ["vllm", "serve"])[1].argv
+    assert [a for a in head if "api" in a] == ["--api_server_count=2"]
+
+
 def test_the_collective_libraries_bind_each_hosts_address_or_interface():
     raw = example()
     raw["platform"] = "cuda"

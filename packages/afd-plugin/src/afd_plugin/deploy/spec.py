@@ -454,6 +454,16 @@ def _graph_flags(platform: str, args: list[str]) -> list[str]:
     return [] if chosen else GRAPH_FLAGS[platform]
 
 
+def _api_server_flags(data_parallel_size: int, args: list[str]) -> list[str]:
+    """One API server on the head of a data-parallel server, unless its args choose: `vllm
+    serve` starts one per data-parallel rank by default (vLLM 0.32: entrypoints/cli/
+    serve.py), and then serves its own metrics registry, without AFD's ranks on /metrics or
+    their FFN rank's loss on /health (docs/metrics.md)."""
+    flags = {a.split("=", 1)[0].replace("_", "-") for a in args if a.startswith("-")}
+    chosen = bool(flags & {"--api-server-count", "-asc"})
+    return ["--api-server-count", "1"] if data_parallel_size > 1 and not chosen else []
+
+
 def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
     """Every process of the deployment, FFN servers first (FFN rank 0 holds the
     rendezvous). `serve`: how to run `vllm serve` here (e.g. ["vllm", "serve"])."""
@@ -485,6 +495,7 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
                     ]  # fmt: skip
             if k == 0:
                 argv += ["--host", host.address, "--port", str(s.port)]
+                argv += _api_server_flags(s.data_parallel_size, [*role.args, *s.args])
             else:
                 argv += ["--headless", "--data-parallel-start-rank", str(first)]
             first += p.ranks
