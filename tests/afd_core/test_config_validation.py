@@ -316,3 +316,42 @@ def test_a_server_spanning_hosts_marks_its_ranks_for_its_processes(engine_config
         # the head host's flags: one of the two data-parallel ranks here, one elsewhere
         engine_config(afd, data_parallel_size=2, data_parallel_size_local=1)
         assert envs.server_ranks() == ranks, afd
+
+
+EXAMPLE_CONSUMER = {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}
+
+
+def test_an_attention_server_may_be_a_kv_consumer(engine_config):
+    """The decode stage of a prefill/decode deployment (docs/pd.md)."""
+    from vllm.config import KVTransferConfig
+
+    cfg = engine_config(
+        {"role": "attention"}, kv_transfer_config=KVTransferConfig(**EXAMPLE_CONSUMER)
+    )
+    assert cfg.parallel_config.worker_cls.endswith("AFDCPUAttentionWorker")
+    assert cfg.kv_transfer_config.is_kv_consumer
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        ({"kv_transfer_config": EXAMPLE_CONSUMER}, "--kv-transfer-config"),
+        (
+            {"kv_transfer_config": {**EXAMPLE_CONSUMER, "kv_role": "kv_both"}},
+            "--kv-transfer-config",
+        ),
+        ({"kv_offloading_size": 1.0}, "--kv-offloading-size"),
+    ],
+)
+def test_an_ffn_server_refuses_kv_transfer_naming_the_flag_and_where_it_goes(
+    engine_config, kw, flag
+):
+    from vllm.config import KVTransferConfig
+
+    if "kv_transfer_config" in kw:
+        kw = {"kv_transfer_config": KVTransferConfig(**kw["kv_transfer_config"])}
+    with pytest.raises(
+        Exception, match=rf"{flag} on an FFN server: an FFN server holds no KV cache"
+    ) as err:
+        engine_config({"role": "ffn"}, **kw)
+    assert f"allowed: give {flag} to the attention servers" in str(err.value)

@@ -279,6 +279,22 @@ def ffn_layout(
     )
 
 
+def kv_transfer_problem(role: str, kv_transfer: bool, kv_offloading: bool = False) -> str | None:
+    """Why a server of `role` cannot take vLLM's KV transfer (--kv-transfer-config) or KV
+    offloading (--kv-offloading-size, which vLLM turns into a KV connector), else None: an
+    FFN server holds no KV cache. An attention server may be a KV consumer (the decode
+    stage of a prefill/decode deployment, docs/pd.md) or producer."""
+    if role != "ffn" or not (kv_transfer or kv_offloading):
+        return None
+    flag = "--kv-transfer-config" if kv_transfer else "--kv-offloading-size"
+    return (
+        f"AFD: {flag} on an FFN server: an FFN server holds no KV cache (its engine has no "
+        "attention layers), so it has none to load, save or offload; allowed: give "
+        f"{flag} to the attention servers (kv_role kv_consumer or kv_both for the decode "
+        "stage of a prefill/decode deployment, docs/pd.md) and remove it from the FFN server"
+    )
+
+
 def async_dp_problem(async_dp: bool, ffn_expert_group: bool) -> str | None:
     if async_dp and ffn_expert_group:
         return (

@@ -22,6 +22,8 @@ socket exists. For a config with an `afd` key it:
   process receives, and vLLM's flags are turned off, because AFD's step engine does the
   splitting; a flag that cannot apply (DBO on an FFN server, m out of 1..4, thresholds
   below m, a conflicting m) stops start-up;
+* refuses a KV-transfer config (--kv-transfer-config, --kv-offloading-size) on an FFN
+  server, which holds no KV cache (an attention server may be a KV consumer: docs/pd.md);
 * rejects what AFD cannot run yet: speculative decoding, a model architecture without an
   AFD wrapper (listing those registered), the gate on attention for a wrapper that cannot
   run it; on CUDA (`validate_cuda`): a graph mode other than FULL_DECODE_ONLY or none,
@@ -37,7 +39,12 @@ Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 from __future__ import annotations
 
 from afd_core import envs
-from afd_core.capabilities import ffn_server_problem, graph_mode_problem, microbatch_problem
+from afd_core.capabilities import (
+    ffn_server_problem,
+    graph_mode_problem,
+    kv_transfer_problem,
+    microbatch_problem,
+)
 from afd_core.config import AFD_KEY, AUTO
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.gate import deployment_secret
@@ -169,6 +176,13 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
             "supported yet: its draft/MTP layers' MLPs would be sent to the FFN ranks, which "
             "do not hold them; start without --speculative-config"
         )
+    problem = kv_transfer_problem(
+        afd.role,
+        vllm_config.kv_transfer_config is not None,
+        getattr(vllm_config.cache_config, "kv_offloading_size", None) is not None,
+    )
+    if problem:
+        raise AFDDeploymentError(problem)
     if afd.is_attention and afd.start_rank + workers > afd.num_attention_ranks:
         raise AFDDeploymentError(
             f"afd config: this attention server runs {workers} workers (data parallel "
