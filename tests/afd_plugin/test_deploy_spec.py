@@ -76,6 +76,9 @@ def test_a_server_spanning_hosts_gets_vllms_multi_node_flags():
     }
 
 
+KV_CONSUMER = '{"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}'
+
+
 def _bad(change) -> str:
     raw = example()
     change(raw)
@@ -163,6 +166,19 @@ def _bad(change) -> str:
             ),
             "[afd]: afd.async_dp with an FFN expert group",
         ),
+        (
+            lambda r: r["roles"]["ffn"]["args"].extend(["--kv-transfer-config", KV_CONSUMER]),
+            "servers[0] (ffn0, ffn) would stop at start-up: AFD: --kv-transfer-config on an FFN "
+            "server: an FFN server holds no KV cache",
+        ),
+        (  # vLLM's dotted form, underscores
+            lambda r: r["servers"][0].update(args=["--kv_transfer_config.kv_role=kv_both"]),
+            "allowed: give --kv-transfer-config to the attention servers",
+        ),
+        (
+            lambda r: r["servers"][0].update(args=["--kv-offloading-size", "4"]),
+            "AFD: --kv-offloading-size on an FFN server",
+        ),
         # flags the spec owns
         (
             lambda r: r["servers"][1].update(args=["--port", "9000"]),
@@ -180,6 +196,13 @@ def _bad(change) -> str:
 )
 def test_every_bad_field_is_named(change, expected):
     assert expected in _bad(change)
+
+
+def test_an_attention_server_may_take_a_kv_transfer_config():
+    """The decode stage of a prefill/decode deployment (docs/pd.md)."""
+    raw = example()
+    raw["roles"]["attention"]["args"].extend(["--kv-transfer-config", KV_CONSUMER])
+    check_spec(raw)
 
 
 def test_afd_launch_print_shows_every_hosts_commands(capsys):

@@ -18,6 +18,7 @@ from afd_core.capabilities import (
     async_dp_problem,
     ffn_server_problem,
     graph_mode_problem,
+    kv_transfer_problem,
     microbatch_problem,
 )
 
@@ -77,6 +78,8 @@ class ServeFlags:
     dbo_decode_token_threshold: int = DBO_DECODE_TOKEN_THRESHOLD
     dbo_prefill_token_threshold: int = DBO_PREFILL_TOKEN_THRESHOLD
     expert_parallel: bool = False
+    kv_transfer: bool = False  # --kv-transfer-config (whole or dotted: --kv-transfer-config.x)
+    kv_offloading: bool = False  # --kv-offloading-size, which vLLM turns into a KV connector
 
 
 def _values(args: list[str]) -> list[tuple[str, str | None]]:
@@ -115,6 +118,10 @@ def serve_flags(platform: str, default_graph_flags: list[str], args: list[str]) 
             fields["enable_dbo"] = True
         elif flag in ("--enable-expert-parallel", "-ep"):
             fields["expert_parallel"] = True
+        elif flag.split(".", 1)[0] == "--kv-transfer-config":
+            fields["kv_transfer"] = True
+        elif flag == "--kv-offloading-size":
+            fields["kv_offloading"] = True
         elif flag in (
             "--ubatch-size",
             "--dbo-decode-token-threshold",
@@ -136,6 +143,8 @@ def startup_problem(afd, platform: str, flags: ServeFlags, tp: int, dp: int) -> 
     problem = graph_mode_problem(platform, flags.graph_mode)
     if problem:
         return problem + "; the spec adds the platform's flags unless a server's args choose"
+    if problem := kv_transfer_problem(afd.role, flags.kv_transfer, flags.kv_offloading):
+        return problem
     pc = SimpleNamespace(
         enable_dbo=flags.enable_dbo,
         ubatch_size=flags.ubatch_size,
