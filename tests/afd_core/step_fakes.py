@@ -38,3 +38,48 @@ class FakeConnector:
     def abort_step(self):
         self.aborted += 1
         return "micro-batch 1 at layer 0"
+
+
+def recording_kv_connector(calls: list, finished=(None, None)):
+    """A vLLM v1 KV connector (what `get_kv_transfer_group()` returns in a worker) that
+    records its worker-side calls in `calls`: per-layer hooks with the micro-batch they ran
+    in and the attention metadata they were given; `get_finished` answers `finished`."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from afd_core.dbo import current_microbatch_id
+
+    class Recording(KVConnectorBase_V1):
+        def __init__(self):  # no vLLM config: only the worker-side calls are made
+            self._connector_metadata = None
+
+        def start_load_kv(self, forward_context, **kwargs):
+            calls.append(("start_load_kv", forward_context))
+
+        def wait_for_layer_load(self, layer_name):
+            calls.append(("wait_for_layer_load", current_microbatch_id(), layer_name))
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            calls.append(("save_kv_layer", current_microbatch_id(), layer_name, attn_metadata))
+
+        def wait_for_save(self):
+            calls.append(("wait_for_save",))
+
+        def get_finished(self, finished_req_ids):
+            calls.append(("get_finished", set(finished_req_ids)))
+            return finished
+
+        def clear_connector_metadata(self):
+            calls.append(("clear_connector_metadata",))
+            super().clear_connector_metadata()
+
+        # scheduler side: not called in a worker
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            raise NotImplementedError
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            raise NotImplementedError
+
+        def build_connector_meta(self, scheduler_output):
+            raise NotImplementedError
+
+    return Recording()

@@ -145,6 +145,79 @@ def test_a_failed_step_returns_a_marked_output_for_its_requests(runner):
         runner.execute_model(SimpleNamespace(num_scheduled_tokens={"a": 1}))
 
 
+def test_a_step_that_loads_kv_synchronously_runs_unsplit(runner, monkeypatch):
+    """vLLM's connectors read the step's forward context in start_load_kv (before the
+    forward): a split step's holds one attention metadata per micro-batch, which vLLM's
+    ExampleConnector skips without loading."""
+    plans = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        determine(self, [3, 5])
+        plans.append(self.afd_engine.plan)
+        return "output"
+
+    monkeypatch.setattr(BaseRunner, "execute_model", execute_model)
+    runner.execute_model(SimpleNamespace(has_sync_kv_loads=True))
+    assert plans == [None] and runner.calls["determine"]["allow_microbatching"] is False
+    runner.execute_model(SimpleNamespace(has_sync_kv_loads=False))  # async loads, or none
+    assert plans[1] is not None and len(plans[1]) == 2
+    assert runner._afd_sync_kv_loads is False  # for the dummy runs in between
+
+
+def test_a_failed_step_carries_its_kv_connector_report(monkeypatch):
+    """vLLM's connector context (kv_connector_model_runner_mixin.py) cleans up also when
+    the forward raises (wait_for_save, get_finished, clear_connector_metadata); what it
+    reported for the step reaches the scheduler in the failed step's output, so a request
+    whose KV finished arriving is not left waiting for ever."""
+    import inspect
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.worker import gpu_model_runner, kv_connector_model_runner_mixin
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    from afd_core.connectors.base import AFDStepError
+    from afd_core.step.attention import STEP_FAILURE_ATTR
+    from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
+    from tests.afd_core.step_fakes import recording_kv_connector
+
+    # vLLM's runner enters the context through the runner, where AFD's override is
+    source = inspect.getsource(gpu_model_runner.GPUModelRunner.execute_model)
+    assert "self.maybe_get_kv_connector_output(" in source
+
+    calls = []
+    connector = recording_kv_connector(calls, finished=({"sent"}, {"received"}))
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    monkeypatch.setattr(kv_connector_model_runner_mixin, "get_forward_context", lambda: "ctx")
+
+    class VLLMRunner(KVConnectorModelRunnerMixin):
+        def execute_model(self, scheduler_output, intermediate_tensors=None):
+            with self.maybe_get_kv_connector_output(scheduler_output):
+                assert connector.has_connector_metadata()
+                raise AFDStepError("FFN rank 0 failed layer 1, step 9")
+
+    class Runner(AFDAttentionRunnerMixin, VLLMRunner):
+        pass
+
+    sched_out = SimpleNamespace(
+        num_scheduled_tokens={"a": 3},
+        kv_connector_metadata=KVConnectorMetadata(),
+        has_sync_kv_loads=True,
+        finished_req_ids={"done"},
+    )
+    out = Runner().execute_model(sched_out)
+    assert getattr(out, STEP_FAILURE_ATTR) == "FFN rank 0 failed layer 1, step 9"
+    kv = out.kv_connector_output
+    assert (kv.finished_sending, kv.finished_recving) == ({"sent"}, {"received"})
+    assert [c[0] for c in calls] == [
+        "start_load_kv",
+        "wait_for_save",
+        "get_finished",
+        "clear_connector_metadata",
+    ]
+    assert calls[2] == ("get_finished", {"done"}) and not connector.has_connector_metadata()
+
+
 def test_get_model_unwraps_the_step_wrapper(runner):
     from afd_core.step.wrapper import AFDStepWrapper
 

@@ -17,7 +17,15 @@ per step and per rank instead:
   any other failed dummy forward (profiling, warm-up, graph capture) is raised;
 * `execute_model`: a step that failed but left the protocol in step (AFDStepError) returns
   an output that fails exactly that step's requests (see patches/step_failure.py); the
-  engine goes on.
+  engine goes on. With a KV connector (prefill/decode, docs/pd.md) that output carries
+  what vLLM's connector context reported for the step (`maybe_get_kv_connector_output`:
+  finished sends and receives, load errors, stats): vLLM's context always runs its
+  clean-up, also when the forward raises, but its report went with the exception, and a
+  finished receive it held would leave its request waiting for its KV for ever;
+* a step in which the connector loads KV synchronously (`has_sync_kv_loads`: vLLM's
+  ExampleConnector) runs unsplit: the connector reads the step's forward context in
+  `start_load_kv`, before the forward, and a split step's context holds one attention
+  metadata per micro-batch (a list), which ExampleConnector skips without loading.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ class AFDAttentionRunnerMixin:
         engine = self.afd_engine
         if engine is not None and engine.vllm_ubatching:
             return self._afd_vllm_ubatching_decision(args, kwargs)
-        allow = kwargs.pop("allow_microbatching", True)
+        allow = kwargs.pop("allow_microbatching", True) and not self._afd_sync_kv_loads
         result = super()._determine_batch_execution_and_padding(
             *args, allow_microbatching=False, **kwargs
         )
@@ -60,6 +68,7 @@ class AFDAttentionRunnerMixin:
         from afd_core.step.vllm_ubatch import should_ubatch_single_rank
 
         allow = kwargs.pop("allow_microbatching", True) and self.afd_engine.policy.enabled
+        allow = allow and not self._afd_sync_kv_loads
         determine = super()._determine_batch_execution_and_padding
         if self.parallel_config.data_parallel_size > 1:
             return determine(*args, allow_microbatching=allow, **kwargs)
@@ -117,11 +126,29 @@ class AFDAttentionRunnerMixin:
         finally:
             engine.kind = StepKind.REAL
 
+    # this step: the KV connector loads synchronously (no split), and what vLLM's connector
+    # context reported for it (None without a connector, or before the forward)
+    _afd_sync_kv_loads = False
+    _afd_kv_output = None
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self._afd_sync_kv_loads = bool(getattr(scheduler_output, "has_sync_kv_loads", False))
+        self._afd_kv_output = None
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         except AFDStepError as exc:
             return self._afd_failed_step_output(scheduler_output, exc)
+        finally:
+            self._afd_sync_kv_loads = False
+
+    @contextlib.contextmanager
+    def maybe_get_kv_connector_output(self, scheduler_output, *args, **kwargs):
+        """vLLM's connector context around the forward (a static method there, called on
+        the runner), keeping its report: its clean-up fills it in also when the forward
+        raises, and a failed step's output must carry it."""
+        with super().maybe_get_kv_connector_output(scheduler_output, *args, **kwargs) as out:
+            self._afd_kv_output = out
+            yield out
 
     def _afd_failed_step_output(self, scheduler_output, exc: AFDStepError):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -139,6 +166,9 @@ class AFDAttentionRunnerMixin:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[] for _ in req_ids],
         )
+        # the step's KV transfers went on (vLLM's connector context finished them): the
+        # scheduler must hear of them like any step's
+        output.kv_connector_output, self._afd_kv_output = self._afd_kv_output, None
         setattr(output, STEP_FAILURE_ATTR, str(exc))
         return output
 
