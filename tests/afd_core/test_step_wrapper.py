@@ -24,7 +24,12 @@ def setup():
 
     vllm_config = SimpleNamespace(
         compilation_config=SimpleNamespace(
-            fast_moe_cold_start=False, static_forward_context={}, static_all_moe_layers=[]
+            fast_moe_cold_start=False,
+            # the attention layers, as vLLM's KV connector hooks look them up
+            static_forward_context={
+                f"layer.{i}": SimpleNamespace(kv_cache=f"kv{i}") for i in (0, 1)
+            },
+            static_all_moe_layers=[],
         )
     )
     conn = FakeConnector()
@@ -32,6 +37,7 @@ def setup():
 
     class Toy:
         fail_in = None
+        attention = None  # called with each layer's name (vLLM's attention op)
 
         def __call__(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
             from vllm.forward_context import get_forward_context
@@ -42,6 +48,8 @@ def setup():
             h = input_ids.float().unsqueeze(1)
             for layer in range(2):
                 h = h + 1
+                if self.attention is not None:
+                    self.attention(f"layer.{layer}")
                 if self.fail_in == (mb, layer):
                     raise ValueError("attention kernel failed")
                 ex = conn.start_exchange(h, layer, mb)
@@ -294,3 +302,57 @@ def test_auto_microbatches_choose_m_per_step_and_record_each_steps_time(setup):
     assert engine.tuner.as_dict()["mixed~8"]["steps"] == 12
     engine.set_policy(SplitPolicy(2, 2, 2), adaptive=True)  # auto up to 2: measured anew
     assert engine.tuner.as_dict() == {}
+
+
+@pytest.fixture
+def kv_hooks(setup, monkeypatch):
+    """A recording KV connector installed as vLLM's, with this step's metadata bound, and
+    the toy model's attention layers wrapped in vLLM's own KV-transfer hooks."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+
+    from afd_core.dbo import current_microbatch_id
+    from tests.afd_core.step_fakes import recording_kv_connector
+
+    calls = []
+    connector = recording_kv_connector(calls)
+    connector.bind_connector_metadata(KVConnectorMetadata())
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+
+    @maybe_transfer_kv_layer
+    def attention(layer_name):
+        calls.append(("attention", current_microbatch_id(), layer_name))
+
+    setup.model.attention = attention
+    return calls
+
+
+def test_kv_connector_hooks_run_per_layer_in_each_microbatch_with_its_context(setup, kv_hooks):
+    """vLLM's per-layer KV-connector hooks (wait_for_layer_load before a layer's attention,
+    save_kv_layer after it) run inside AFD's micro-batch threads, each with its own
+    micro-batch's attention metadata; the baton order (layer-major) makes the last save of
+    a layer come after every micro-batch wrote it."""
+    from afd_core.step.split import MicrobatchSlice
+
+    setup.engine.plan = [MicrobatchSlice(0, 2, 0, 3), MicrobatchSlice(2, 4, 3, 8)]
+    meta = [{f"layer.{i}": f"mb{m}" for i in (0, 1)} for m in (0, 1)]
+    setup.forward(meta)
+    assert kv_hooks == [
+        call
+        for layer in ("layer.0", "layer.1")
+        for mb in (0, 1)
+        for call in (
+            ("wait_for_layer_load", mb, layer),
+            ("attention", mb, layer),
+            ("save_kv_layer", mb, layer, f"mb{mb}"),
+        )
+    ]
+
+
+def test_kv_connector_hooks_of_an_unsplit_step_see_the_whole_step(setup, kv_hooks):
+    setup.forward({"layer.0": "step", "layer.1": "step"})
+    assert [c for c in kv_hooks if c[0] == "save_kv_layer"] == [
+        ("save_kv_layer", 0, "layer.0", "step"),
+        ("save_kv_layer", 0, "layer.1", "step"),
+    ]
