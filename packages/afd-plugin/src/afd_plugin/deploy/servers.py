@@ -56,6 +56,7 @@ class ServerSpec:
     tensor_parallel_size: int = 1
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    log_stats: bool = False  # vLLM's stats (its /metrics counters), off unless asked
 
     def command(self) -> list[str]:
         cmd = [
@@ -79,8 +80,9 @@ class ServerSpec:
             "0",
             "--shutdown-timeout",
             "5",
-            "--disable-log-stats",
         ]
+        if not self.log_stats:
+            cmd.append("--disable-log-stats")
         if self.attention_backend:
             cmd += ["--attention-backend", self.attention_backend]
         if self.data_parallel_size > 1:

@@ -1,0 +1,190 @@
+"""AFD as the decode stage of a prefill/decode deployment (docs/pd.md), as real `vllm serve`
+processes: an ordinary vLLM server prefills (KV producer), an AFD 1A1F deployment decodes
+(its attention server the KV consumer), both through vLLM's ExampleConnector (KV blocks as
+files in a shared folder). The test routes each request itself, as vLLM's own P/D proxies
+do: the prompt to the prefill server with max_tokens=1, then the whole request to the
+decode server, which loads the prompt's whole blocks and computes only the rest.
+
+One deployment (a colocated reference server, the prefill server, the AFD pair) answers
+both tests: one request at a time, then two as one batch with DBO m = 2 (the step that
+loads KV runs unsplit, the decode steps in two micro-batches of one request each). The
+greedy tokens and their logprobs are the colocated server's (equal in both runs), and the
+decode server's own counters show the KV came from the connector: vLLM's prompt tokens by
+source (`external_kv_transfer`: every whole block below the last prompt token) and the
+consumer's "Inject KV cache" log lines (logged before ExampleConnector looks at the step's
+forward context, so they alone do not prove a load).
+
+qwen3_moe (CPU_ATTN, block size 32, its unit), fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from afd_plugin.deploy.servers import (
+    SHARED_CORES,
+    Server,
+    ServerSpec,
+    complete,
+    free_port,
+    local_deployment,
+    post,
+    running,
+)
+from tests.e2e.conftest import DBO_ARGS, DEV_MODE, rpc
+
+pytestmark = pytest.mark.e2e
+
+ARCH = "qwen3_moe"
+BLOCK = 32
+MAX_TOKENS = 12
+# 134 and 94 tokens with the tiny tokenizer: 4 and 2 whole KV blocks load (the test checks)
+PROMPTS = [
+    "The attention servers keep the KV cache of every request, while the feed-forward "
+    "servers hold the experts and serve every layer's MoE for the rows they are sent; a "
+    "prefill server computes the prompt once and hands its blocks to the decode stage.",
+    "Numbers and letters 0 1 2 3 4 5 6 7 8 9 a b c d e f g h i j k l m n o p q r s t u v "
+    "w x y z, then the quick brown fox jumps over the lazy dog twice, and once more slowly.",
+]
+ARGS = ["--block-size", str(BLOCK)]
+
+
+def kv_config(role: str, storage) -> list[str]:
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def loaded_tokens(prompt_tokens: int) -> int:
+    """The tokens ExampleConnector loads for a prompt: the whole blocks below its last token
+    (the decode server computes that one and any partial block)."""
+    return (prompt_tokens - 2) // BLOCK * BLOCK
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        s.labels["source"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:prompt_tokens_by_source_total"
+    }
+
+
+def injected(server) -> list[int]:
+    """Tokens per "Inject KV cache" line of the consumer's log (ExampleConnector's worker)."""
+    log = server.log_path.read_text(errors="replace")
+    return [int(n) for n in re.findall(r"Inject KV cache of (\d+) tokens", log)]
+
+
+@pytest.fixture(scope="module")
+def pd(checkpoints, log_dir, tmp_path_factory):
+    model = str(checkpoints(ARCH))
+    storage = tmp_path_factory.mktemp("kv-storage")
+    reference = Server(
+        ServerSpec(f"{ARCH}-pd-reference", model, free_port(), env=SHARED_CORES, extra_args=ARGS),
+        log_dir,
+    )
+    prefill = Server(
+        ServerSpec(
+            f"{ARCH}-pd-prefill",
+            model,
+            free_port(),
+            env=SHARED_CORES,
+            extra_args=ARGS + kv_config("kv_producer", storage),
+        ),
+        log_dir,
+    )
+    # prefix caching off: a prompt seen before loads from the connector again, not from
+    # the decode server's own cache
+    decode_args = ARGS + ["--no-enable-prefix-caching"] + kv_config("kv_consumer", storage)
+    d = local_deployment(
+        model,
+        log_dir,
+        attention_args=DBO_ARGS + decode_args,
+        env=DEV_MODE,
+        tag=f"{ARCH}-pd-decode-",
+    )
+    d["attention"].spec.log_stats = True  # vLLM's prompt tokens by source
+    with running([reference, prefill, d["ffn"], d["attention"]]):
+        counts = [
+            post(reference.url, "/tokenize", {"model": "tiny", "prompt": p})["count"]
+            for p in PROMPTS
+        ]
+        for n in counts:  # whole blocks move, and ExampleConnector finds what it saved
+            assert n > 2 * BLOCK + 1 and (n - 1) % BLOCK, counts
+        alone = [complete(reference.url, p, MAX_TOKENS) for p in PROMPTS]
+        yield SimpleNamespace(
+            prefill=prefill, decode=d["attention"], ffn=d["ffn"], counts=counts, alone=alone
+        )
+
+
+def prefill_then_decode(pd, batch: bool = False):
+    """Each prompt to the prefill server (max_tokens=1), then to the decode server: one
+    request at a time, or all as one batch (vLLM's dev endpoints pause the scheduler while
+    they are added)."""
+    from afd_plugin.deploy.servers import complete_batch
+
+    for p in PROMPTS:
+        complete(pd.prefill.url, p, 1)
+    if batch:
+        return complete_batch(pd.decode.url, PROMPTS, MAX_TOKENS)[0]
+    return [complete(pd.decode.url, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def assert_colocated_tokens(reference, got, tol: float = 1e-5):
+    for prompt, ref, out in zip(PROMPTS, reference, got, strict=True):
+        assert len(out.token_ids) == MAX_TOKENS
+        assert out.token_ids == ref.token_ids, prompt
+        worst = max(abs(a - b) for a, b in zip(ref.logprobs, out.logprobs, strict=True))
+        assert worst <= tol, (prompt, worst)
+
+
+def assert_loaded_from_the_connector(pd, before: dict, inject_before: int):
+    after = prompt_tokens_by_source(pd.decode.url)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    loaded = [loaded_tokens(n) for n in pd.counts]
+    assert delta["external_kv_transfer"] == sum(loaded), delta
+    assert delta["local_compute"] == sum(pd.counts) - sum(loaded), delta
+    assert delta["local_cache_hit"] == 0, delta
+    assert sorted(injected(pd.decode)[inject_before:]) == sorted(loaded)
+
+
+def test_afd_decodes_what_an_ordinary_prefill_server_prefilled(pd):
+    before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
+    got = prefill_then_decode(pd)
+    assert_colocated_tokens(pd.alone, got)
+    assert_loaded_from_the_connector(pd, before, inject_before)
+    (stats,) = rpc(pd.decode.url, "afd_step_stats")
+    assert stats["failed"] == 0 and stats["steps"] > 0, stats
+
+
+def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
+    rpc(pd.decode.url, "afd_set_microbatching", "2")
+    try:
+        before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
+        split_before = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
+        got = prefill_then_decode(pd, batch=True)
+        split = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
+    finally:
+        rpc(pd.decode.url, "afd_set_microbatching", "1")
+    # the step that loaded both prompts' KV (and sampled their first tokens) ran whole; the
+    # decode steps of the two requests as two micro-batches of one request each, compared
+    # with each request run alone (vLLM's CPU path is not batch-invariant). A split loading
+    # step would load nothing (ExampleConnector skips a split step's forward context, after
+    # logging its "Inject KV cache" line): the tokens show it.
+    ran = {k: n - split_before.get(k, 0) for k, n in split.items() if n != split_before.get(k)}
+    assert ran == {"1": 1, "2": MAX_TOKENS - 1}, ran
+    assert_colocated_tokens(pd.alone, got)
+    assert_loaded_from_the_connector(pd, before, inject_before)
