@@ -26,7 +26,12 @@ def pytest_collection_modifyitems(config, items):
 
 # set in a process by AFD's start-up check (prepare_afd_config) for the servers it starts:
 # a test that runs the check in the pytest process must not hand them to later servers
-PROCESS_MARKS = ("AFD_METRICS_DIR", "AFD_DEPLOYMENT_ROLE", "AFD_SERVER_RANKS")
+PROCESS_MARKS = (
+    "AFD_METRICS_DIR",
+    "AFD_DEPLOYMENT_ROLE",
+    "AFD_SERVER_RANKS",
+    "VLLM_USE_V2_MODEL_RUNNER",  # vLLM's runner choice, pinned (config_validation)
+)
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +58,22 @@ def run_python(code: str, *, hide: tuple[str, ...] = (), env: dict | None = None
         timeout=timeout,
         cwd=REPO,
     )
+
+
+# Test-only: a Triton backend entry named "cpu" for Triton's interpreter, with which vLLM's
+# CPU build picks its model runner V2 here (tests/support/triton_cpu_site; docs/development.md)
+TRITON_CPU_SITE = REPO / "tests" / "support" / "triton_cpu_site"
+
+
+def mrv2_env(env: dict | None = None) -> dict:
+    """What a server process needs, on top of `env`, for vLLM to pick model runner V2 on
+    this machine: Triton's interpreter and the test-only "cpu" backend entry on its path."""
+    env = dict(env or {})
+    path = [
+        str(TRITON_CPU_SITE),
+        *filter(None, [env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))]),
+    ]
+    return env | {"PYTHONPATH": os.pathsep.join(path), "TRITON_INTERPRET": "1"}
 
 
 AVX2_ONLY_SITE = REPO / "tests" / "afd_models" / "stand_ins" / "avx2_only"

@@ -6,6 +6,7 @@ A real vLLM config is built on CPU, then checked as the CUDA platform's hook wou
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -74,17 +75,28 @@ def test_dbo_runs_eagerly_up_to_4_and_in_2_with_graphs(cuda_check):
         cuda_check({"role": "attention", "num_microbatches": 3})
 
 
-def test_v2_model_runner_and_ffn_tensor_parallel_are_rejected(cuda_check, monkeypatch):
+def test_graphs_on_v2_model_runner_and_ffn_tensor_parallel_are_rejected(cuda_check, monkeypatch):
+    """Model runner V2 runs AFD eagerly; its FULL graph replay would skip the control
+    message, so graphs on V2 are refused naming both ways out. vLLM's choice of runner is
+    kept for the server's processes (VLLM_USE_V2_MODEL_RUNNER pinned to it)."""
     from vllm.config import VllmConfig
 
     with pytest.raises(Exception, match="tensor-parallel-size=2 is not supported yet"):
         cuda_check({"role": "ffn"}, tensor_parallel_size=2)
 
-    def v2():  # vLLM would pick its V2 runner for this config
+    def v2():  # vLLM would pick its V2 runner for this config (once it is built)
         monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
 
-    with pytest.raises(Exception, match="V1 GPU model runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    with pytest.raises(Exception, match="model runner V2 with cudagraph_mode=FULL_DECODE_ONLY"):
         cuda_check({"role": "attention"}, before=v2)
+    monkeypatch.undo()
+    cuda_check({"role": "attention"}, graph_mode="NONE", before=v2)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.undo()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cuda_check({"role": "attention"})
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
 def test_disabled_pynccl_and_dense_dbo_with_graphs_under_dp_are_rejected(cuda_check, monkeypatch):
@@ -127,11 +139,13 @@ def test_the_cpu_connector_is_rejected_on_cuda(cuda_check):
 
 
 def test_the_cuda_workers_bind_the_shared_role_logic_to_vllms_gpu_classes():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     from afd_core.workers import cuda_worker
     from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
+    from afd_core.workers.attention_runner_v2 import AFDAttentionRunnerV2Mixin
     from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
     from afd_core.workers.selection import worker_class_for
 
@@ -141,8 +155,11 @@ def test_the_cuda_workers_bind_the_shared_role_logic_to_vllms_gpu_classes():
     assert att.__mro__[1:4] == (AttentionWorkerMixin, att.__mro__[2], Worker)
     assert ffn.__mro__[1] is FFNWorkerMixin and issubclass(ffn, Worker)
     runner = cuda_worker.AFDCUDAAttentionModelRunner
-    assert runner.__mro__[1:3] == (AFDAttentionRunnerMixin, GPUModelRunner)
-    assert att.vllm_runner_cls is GPUModelRunner and att.afd_runner_cls is runner
+    assert runner.__mro__[1] is AFDAttentionRunnerMixin and issubclass(runner, GPUModelRunner)
+    runner_v2 = cuda_worker.AFDCUDAAttentionModelRunnerV2
+    assert runner_v2.__mro__[1] is AFDAttentionRunnerV2Mixin
+    assert issubclass(runner_v2, GPUModelRunnerV2)
+    assert att.afd_runner_classes == {GPUModelRunner: runner, GPUModelRunnerV2: runner_v2}
     # what the mixins override exists on vLLM's classes, with the arguments they pass on
     for name in (
         "_determine_batch_execution_and_padding",

@@ -89,6 +89,7 @@ DEFERRED_PATCHES = {
     "health": "vllm.v1.engine.async_llm",
     "step_failure": "vllm.v1.core.sched.scheduler",
     "cpu_dp_collectives": "vllm.distributed.device_communicators.cpu_communicator",
+    "mrv2_ubatch_runner": "vllm.v1.worker.gpu.model_runner",
 }
 
 

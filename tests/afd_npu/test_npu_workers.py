@@ -24,7 +24,7 @@ def test_the_npu_workers_extend_vllm_ascends_classes(ascend):
     from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
     from vllm_ascend.worker.worker import NPUWorker
 
-    from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
+    from afd_core.workers.attention_runner import AFDAttentionRunnerMixin, AFDRunnerCommon
     from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
     from afd_npu.workers import npu_worker
 
@@ -32,14 +32,15 @@ def test_the_npu_workers_extend_vllm_ascends_classes(ascend):
     assert att.__mro__[1] is AttentionWorkerMixin and issubclass(att, NPUWorker)
     assert ffn.__mro__[1] is FFNWorkerMixin and issubclass(ffn, NPUWorker)
     runner = npu_worker.AFDNPUAttentionModelRunner
-    assert runner.__mro__[1:3] == (AFDAttentionRunnerMixin, NPUModelRunner)
-    assert att.vllm_runner_cls is NPUModelRunner and att.afd_runner_cls is runner
+    assert runner.__mro__[1:4] == (AFDAttentionRunnerMixin, AFDRunnerCommon, NPUModelRunner)
+    assert att.afd_runner_classes == {NPUModelRunner: runner}
     # every runner method AFD's mixin overrides is one NPUModelRunner has: its own (the
     # mixin then sits above vLLM-Ascend's version) or, for vLLM's KV-connector context,
     # the one it inherits from vLLM's runner
     inherited = {"maybe_get_kv_connector_output"}
-    for name, member in vars(AFDAttentionRunnerMixin).items():
-        if inspect.isfunction(member) and not name.startswith("_afd"):
+    overrides = {**vars(AFDRunnerCommon), **vars(AFDAttentionRunnerMixin)}
+    for name, member in overrides.items():
+        if inspect.isfunction(member) and not name.startswith(("_afd", "afd_")):
             assert name in NPUModelRunner.__dict__ or (
                 name in inherited and hasattr(NPUModelRunner, name)
             ), name

@@ -79,6 +79,7 @@ ALWAYS_NEEDED = (
     patch_step("engine_core"),  # FFN server mode
     patch_step("step_failure"),  # a failed step fails its requests, not the engine
     patch_step("health"),  # /health says not ready while no FFN rank serves the server
+    patch_step("mrv2_ubatch_runner"),  # on model runner V2, AFD alone splits steps
     STEP_DBO_YIELD_OP,  # the attention-side proxy calls it between send and receive
     STEP_MODELS,
     STEP_ASCEND_CONFIG,

@@ -13,5 +13,6 @@ CORE_PATCHES = (
     "cpu_dp_collectives",
     "engine_core",
     "health",
+    "mrv2_ubatch_runner",
     "step_failure",
 )

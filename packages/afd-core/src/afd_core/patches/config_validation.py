@@ -27,8 +27,10 @@ socket exists. For a config with an `afd` key it:
 * rejects what AFD cannot run yet: speculative decoding, a model architecture without an
   AFD wrapper (listing those registered), the gate on attention for a wrapper that cannot
   run it; on CUDA (`validate_cuda`): a graph mode other than FULL_DECODE_ONLY or none,
-  vLLM's V2 model runner, more than 2 micro-batches with graphs (vLLM's UBatchWrapper
-  splits in two), FFN tensor parallel.
+  graphs on vLLM's model runner V2, more than 2 micro-batches with graphs (vLLM's
+  UBatchWrapper splits in two), FFN tensor parallel;
+* on an attention server, keeps vLLM's choice of model runner (V1 or V2), made on the
+  flags as given, for all its processes (`pin_model_runner`).
 
 Installed on the current platform's class: CpuPlatform on CPU, CudaPlatformBase on CUDA
 (vllm.platforms.cuda imports only where CUDA's kernels are built, so never on the other).
@@ -37,6 +39,8 @@ Then it calls vLLM's original, which leaves a non-`auto` worker class alone.
 """
 
 from __future__ import annotations
+
+import os
 
 from afd_core import envs
 from afd_core.capabilities import (
@@ -204,16 +208,35 @@ def validate_deployment(afd, vllm_config, device_type: str) -> None:
         )
 
 
+def pin_model_runner(vllm_config) -> bool:
+    """vLLM's choice of model runner for this attention server, made on the flags it was
+    given, kept for its processes (and the engine and workers they start): returns whether
+    it is model runner V2.
+
+    vLLM decides on every read (`VllmConfig.use_v2_model_runner`: V2 wherever Triton runs,
+    V1 for what V2 lacks, DBO among it unless VLLM_USE_V2_MODEL_RUNNER is set). AFD then
+    turns vLLM's micro-batching off here and on again in the worker, for AFD's own split
+    (role_workers): unpinned, the worker would build one runner and the scheduler, made
+    after it in the same engine process, would decide for the other."""
+    use_v2 = bool(vllm_config.use_v2_model_runner)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if use_v2 else "0"
+    logger.info("AFD: vLLM's %s model runner", "V2" if use_v2 else "V1")
+    return use_v2
+
+
 def validate_cuda(afd, vllm_config) -> None:
     """What the CUDA path does not run yet, each with its alternative."""
     from afd_core.step.graphs import graph_mode_name
 
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise AFDDeploymentError(
-            "AFD on CUDA runs vLLM's V1 GPU model runner; vLLM chose its V2 runner here: "
-            "set VLLM_USE_V2_MODEL_RUNNER=0"
-        )
     name = graph_mode_name(vllm_config)
+    if getattr(vllm_config, "use_v2_model_runner", False) and name != "NONE":
+        raise AFDDeploymentError(
+            f"AFD on CUDA: vLLM's model runner V2 with cudagraph_mode={name} is not "
+            "supported: V2 replays a FULL graph without calling the model (its cudagraph "
+            "manager's run_fullgraph), so AFD's control message would not go out before "
+            "a replayed step; allowed: --enforce-eager on V2, or graphs on the V1 runner "
+            "(VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
     if graph_mode_problem("cuda", name):  # the message below says what vLLM defaults to
         raise AFDDeploymentError(
             f"AFD on CUDA: cudagraph_mode={name} is not supported (vLLM's default is "
@@ -358,6 +381,8 @@ def prepare_afd_config(device_type: str, vllm_config):
                 pc.dbo_decode_token_threshold,
                 pc.dbo_prefill_token_threshold,
             )
+    if afd.is_attention:
+        pin_model_runner(vllm_config)
     # AFD's step engine splits steps; vLLM's micro-batching stays off
     pc.enable_dbo = False
     pc.ubatch_size = 0

@@ -1,6 +1,7 @@
 """The AFD attention model runner: vLLM's runner, plus four narrow overrides.
 
-Mixed into the platform's runner class (CPU and CUDA; Ascend later). vLLM 0.32's own
+Mixed into the platform's V1 runner class (CPU, CUDA and Ascend); on vLLM's model runner
+V2 see attention_runner_v2.py (AFDRunnerCommon below is shared by both). vLLM 0.32's own
 micro-batching is CUDA-only and decides to split only under data parallelism; AFD decides
 per step and per rank instead:
 
@@ -41,8 +42,77 @@ from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine, StepKind
 logger = get_logger(__name__)
 
 
-class AFDAttentionRunnerMixin:
+class AFDRunnerCommon:
+    """What AFD's attention runner overrides alike on vLLM's V1 runner and on MRV2
+    (attention_runner_v2.py): dummy and profiling forwards, the failed step's output, and
+    the model behind AFD's step wrapper."""
+
     afd_engine: AttentionStepEngine | None = None
+
+    def afd_attached(self) -> None:
+        """Called once AFD's step wrapper is on `self.model` (role_workers)."""
+
+    # set by the worker around vLLM's execute_dummy_batch: an idle data-parallel rank's
+    # step, the only dummy forward whose failure nothing depends on
+    afd_dp_dummy_batch = False
+
+    def _dummy_run(self, num_tokens: int, *args, **kwargs):
+        engine = self.afd_engine
+        if engine is None:
+            return super()._dummy_run(num_tokens, *args, **kwargs)
+        engine.kind = StepKind.PROFILE if kwargs.get("is_profile") else StepKind.DUMMY
+        try:
+            return super()._dummy_run(num_tokens, *args, **kwargs)
+        except AFDStepError as exc:
+            # profiling, compile warm-up and graph capture: vLLM goes on with what they
+            # built (a size with no graph would be announced as a capture again at run
+            # time), so their failure stops the start-up with its cause
+            if not self.afd_dp_dummy_batch or kwargs.get("is_graph_capturing"):
+                raise
+            logger.error("AFD: a data-parallel dummy step failed and was skipped: %s", exc)
+            import torch
+
+            return torch.empty(0), torch.empty(0)
+        finally:
+            engine.kind = StepKind.REAL
+
+    # this step: the KV connector loads synchronously (no split)
+    _afd_sync_kv_loads = False
+
+    def _afd_failed_step_output(self, scheduler_output, exc: AFDStepError, kv_output=None):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        logger.error(
+            "AFD: the step of %d request(s) failed and they finish with an error; the "
+            "deployment goes on: %s",
+            len(req_ids),
+            exc,
+        )
+        self.execute_model_state = None
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[] for _ in req_ids],
+        )
+        # the step's KV transfers went on: the scheduler must hear of them like any step's
+        output.kv_connector_output = kv_output
+        setattr(output, STEP_FAILURE_ATTR, str(exc))
+        return output
+
+    def get_model(self):
+        model = super().get_model()
+        if isinstance(model, AFDStepWrapper):
+            model = model.unwrap()
+            # vLLM's wrapper (graphs, micro-batches) sits inside AFD's, where vLLM's
+            # get_model cannot see it
+            if find_graph_wrapper(model) is not None or _is_ubatch_wrapper(model):
+                model = model.unwrap()
+        return model
+
+
+class AFDAttentionRunnerMixin(AFDRunnerCommon):
+    """On vLLM's V1 runner (`v1/worker/gpu_model_runner.py` and the platforms' subclasses)."""
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         engine = self.afd_engine
@@ -102,33 +172,8 @@ class AFDAttentionRunnerMixin:
                 return super()._build_attention_metadata(*args, **kwargs)
         return super()._build_attention_metadata(*args, **kwargs)
 
-    # set by the worker around vLLM's execute_dummy_batch: an idle data-parallel rank's
-    # step, the only dummy forward whose failure nothing depends on
-    afd_dp_dummy_batch = False
-
-    def _dummy_run(self, num_tokens: int, *args, **kwargs):
-        engine = self.afd_engine
-        if engine is None:
-            return super()._dummy_run(num_tokens, *args, **kwargs)
-        engine.kind = StepKind.PROFILE if kwargs.get("is_profile") else StepKind.DUMMY
-        try:
-            return super()._dummy_run(num_tokens, *args, **kwargs)
-        except AFDStepError as exc:
-            # profiling, compile warm-up and graph capture: vLLM goes on with what they
-            # built (a size with no graph would be announced as a capture again at run
-            # time), so their failure stops the start-up with its cause
-            if not self.afd_dp_dummy_batch or kwargs.get("is_graph_capturing"):
-                raise
-            logger.error("AFD: a data-parallel dummy step failed and was skipped: %s", exc)
-            import torch
-
-            return torch.empty(0), torch.empty(0)
-        finally:
-            engine.kind = StepKind.REAL
-
-    # this step: the KV connector loads synchronously (no split), and what vLLM's connector
-    # context reported for it (None without a connector, or before the forward)
-    _afd_sync_kv_loads = False
+    # what vLLM's connector context reported for this step (None without a connector, or
+    # before the forward)
     _afd_kv_output = None
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -137,7 +182,8 @@ class AFDAttentionRunnerMixin:
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         except AFDStepError as exc:
-            return self._afd_failed_step_output(scheduler_output, exc)
+            kv_output, self._afd_kv_output = self._afd_kv_output, None
+            return self._afd_failed_step_output(scheduler_output, exc, kv_output)
         finally:
             self._afd_sync_kv_loads = False
 
@@ -149,38 +195,6 @@ class AFDAttentionRunnerMixin:
         with super().maybe_get_kv_connector_output(scheduler_output, *args, **kwargs) as out:
             self._afd_kv_output = out
             yield out
-
-    def _afd_failed_step_output(self, scheduler_output, exc: AFDStepError):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        logger.error(
-            "AFD: the step of %d request(s) failed and they finish with an error; the "
-            "deployment goes on: %s",
-            len(req_ids),
-            exc,
-        )
-        self.execute_model_state = None
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[] for _ in req_ids],
-        )
-        # the step's KV transfers went on (vLLM's connector context finished them): the
-        # scheduler must hear of them like any step's
-        output.kv_connector_output, self._afd_kv_output = self._afd_kv_output, None
-        setattr(output, STEP_FAILURE_ATTR, str(exc))
-        return output
-
-    def get_model(self):
-        model = super().get_model()
-        if isinstance(model, AFDStepWrapper):
-            model = model.unwrap()
-            # vLLM's wrapper (graphs, micro-batches) sits inside AFD's, where vLLM's
-            # get_model cannot see it
-            if find_graph_wrapper(model) is not None or _is_ubatch_wrapper(model):
-                model = model.unwrap()
-        return model
 
 
 def _is_ubatch_wrapper(model) -> bool:

@@ -1,6 +1,7 @@
 """AFD workers for vLLM's CUDA platform (NCCL between the roles, connector `nccl`).
 
-The attention worker is vLLM's GPU worker with AFD's attention runner (V1 GPUModelRunner;
+The attention worker is vLLM's GPU worker with AFD's attention runner on the runner vLLM
+chose: model runner V2 (eager only, see patches/config_validation.py) or V1 GPUModelRunner (
 vLLM wraps the model in its CUDAGraphWrapper under FULL_DECODE_ONLY, or its UBatchWrapper
 with DBO and graphs, and AFD's step wrapper goes around that, so the control message is
 sent before every replay). The FFN worker holds the MLP/MoE weights only; its serving
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache, graph_mode_name
 from afd_core.step.vllm_ubatch import uses_vllm_ubatching
 from afd_core.workers.attention_runner import AFDAttentionRunnerMixin
+from afd_core.workers.attention_runner_v2 import AFDAttentionRunnerV2Mixin
 from afd_core.workers.role_workers import AttentionWorkerMixin, FFNWorkerMixin
 
 
@@ -25,11 +28,17 @@ class AFDCUDAAttentionModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner with AFD's step planning (see AFDAttentionRunnerMixin)."""
 
 
+class AFDCUDAAttentionModelRunnerV2(AFDAttentionRunnerV2Mixin, GPUModelRunnerV2):
+    """vLLM's GPU model runner V2 with AFD's step planning (see AFDAttentionRunnerV2Mixin)."""
+
+
 class AFDCUDAAttentionWorker(AttentionWorkerMixin, Worker):
     """vLLM's GPU worker whose model sends every layer's MLP/MoE to the FFN ranks."""
 
-    vllm_runner_cls = GPUModelRunner
-    afd_runner_cls = AFDCUDAAttentionModelRunner
+    afd_runner_classes = {
+        GPUModelRunner: AFDCUDAAttentionModelRunner,
+        GPUModelRunnerV2: AFDCUDAAttentionModelRunnerV2,
+    }
 
     def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
         # DBO with graphs: vLLM's UBatchWrapper captures both micro-batches in one graph

@@ -2,9 +2,9 @@
 
 A platform module (cpu_worker, cuda_worker) binds them to its vLLM worker and model runner:
 `class AFDCPUAttentionWorker(AttentionWorkerMixin, CPUWorker)`. The platform sets
-`vllm_runner_cls` (the V1 runner vLLM must have built) and `afd_runner_cls` (the same runner
-with AFD's attention-runner overrides), and may override the FFN thread's set-up and the
-FFN graph cache.
+`afd_runner_classes`: for each model runner vLLM may build there (its V1 runner, its model
+runner V2), the same runner with AFD's attention-runner overrides; and may override the FFN
+thread's set-up and the FFN graph cache.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class _RoleWorkerMixin:
 class AttentionWorkerMixin(_RoleWorkerMixin):
     """A normal worker whose model sends every layer's MLP/MoE to the FFN ranks."""
 
-    vllm_runner_cls: type  # vLLM's V1 model runner of the platform
-    afd_runner_cls: type  # that runner with AFDAttentionRunnerMixin
+    # vLLM's model runner class -> that runner with AFD's overrides (AFDAttentionRunnerMixin
+    # on V1, AFDAttentionRunnerV2Mixin on model runner V2)
+    afd_runner_classes: dict[type, type]
 
     def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
         """Whether vLLM's UBatchWrapper splits the steps (a platform with graphs: CUDA)
@@ -71,20 +72,23 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
             if self.max_microbatches > 1:
                 self.parallel_config.ubatch_size = self.max_microbatches
         super().init_device()
-        if type(self.model_runner) is not self.vllm_runner_cls:
+        built = type(self.model_runner)
+        afd_runner = self.afd_runner_classes.get(built)
+        if afd_runner is None:
+            known = ", ".join(f"{c.__module__}.{c.__name__}" for c in self.afd_runner_classes)
             raise RuntimeError(
-                f"AFD attention worker: vLLM built {type(self.model_runner).__name__}, AFD "
-                f"supports vLLM's V1 {self.vllm_runner_cls.__name__} (set "
-                "VLLM_USE_V2_MODEL_RUNNER=0)"
+                f"AFD attention worker: vLLM built {built.__module__}.{built.__name__}; AFD "
+                f"runs on {known}"
             )
         # AFD's runner only overrides methods: make vLLM's runner one, in place
-        self.model_runner.__class__ = self.afd_runner_cls
+        self.model_runner.__class__ = afd_runner
 
     def load_model(self, *args, **kwargs) -> None:
         with afd_architecture(self.model_config):
             super().load_model(*args, **kwargs)
         self.afd = AttentionRole(self.vllm_config, get_tensor_model_parallel_rank())
         self.afd.attach(self.model_runner, self.max_microbatches, self.vllm_ubatching)
+        self.model_runner.afd_attached()
 
     def compile_or_warm_up_model(self):
         try:

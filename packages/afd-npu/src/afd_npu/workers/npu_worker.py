@@ -33,8 +33,8 @@ class AFDNPUAttentionModelRunner(AFDAttentionRunnerMixin, NPUModelRunner):
 class AFDNPUAttentionWorker(AttentionWorkerMixin, NPUWorker):
     """vLLM-Ascend's worker whose model sends every layer's MLP/MoE to the FFN ranks."""
 
-    vllm_runner_cls = NPUModelRunner
-    afd_runner_cls = AFDNPUAttentionModelRunner
+    # vLLM-Ascend's worker builds its own runner (a subclass of vLLM's V1 GPUModelRunner)
+    afd_runner_classes = {NPUModelRunner: AFDNPUAttentionModelRunner}
 
 
 class AFDNPUFFNWorker(FFNWorkerMixin, NPUWorker):

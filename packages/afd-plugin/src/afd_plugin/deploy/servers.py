@@ -32,7 +32,6 @@ BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # else the memory pre-check fails with two servers
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
