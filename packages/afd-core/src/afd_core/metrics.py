@@ -469,20 +469,24 @@ def ffn_ranks_gone() -> list[str]:
     """This server's attention ranks that no FFN rank serves now, as the snapshots on its
     /metrics show them (afd_peer_up 0), and those on other hosts that stopped reporting;
     [] in a process that registered no collector."""
+    return [why for _, why in unserved_attention_ranks()]
+
+
+def unserved_attention_ranks() -> list[tuple[int, str]]:
+    """(attention rank, why) for each of ffn_ranks_gone()'s lines."""
     if _registered is None:
         return []
     gone = []
     for snap in _registered._snapshots():
         if snap.get("role") != "attention":
             continue
+        rank = int(snap["rank"])
         if "stale_s" in snap:
-            gone.append(
-                f"attention rank {snap['rank']} (another host's) has not reported for "
-                f"{snap['stale_s']:.0f} s"
-            )
+            gone.append((rank, f"attention rank {rank} (another host's) has not reported for "
+                               f"{snap['stale_s']:.0f} s"))  # fmt: skip
             continue
         gone += [
-            f"attention rank {snap['rank']} has no FFN rank {peer}"
+            (rank, f"attention rank {rank} has no FFN rank {peer}")
             for peer, up in snap.get("peer_up", {}).items()
             if not up
         ]

@@ -14,7 +14,9 @@ A thread (`FFNReturnWatch`) waits meanwhile for an FFN rank to serve this rank a
   the store says the deployment formed, and the rank rejoins as a restarted attention rank
   does (rejoin.py).
 
-Either way the rank's steps count from 0 again on a fresh link. A restarted FFN rank other
+Either way the rank's steps count from 0 again on a fresh link. `retry_ffn_now` (vLLM's
+`POST /fault_tolerance/apply` with `retry`, afd_core/fault_tolerance.py) cuts the wait
+before the next attempt short. A restarted FFN rank other
 than 0, while FFN rank 0 runs, cannot come back (rejoin.py refuses it): the ranks it served
 fail their steps until the whole FFN side is restarted.
 
@@ -77,6 +79,17 @@ class AwaitingFFN:
             self._ffn_watch.start()
         return self._ffn_lost_error() if self._ffn_lost is not None else AFDPeerError(message)
 
+    def retry_ffn_now(self) -> bool:
+        """Start the next attempt to be served again now instead of after RETRY_S (one
+        already under way is followed by another at once). False while an FFN rank serves
+        this rank (nothing to retry)."""
+        with self._lock:
+            watch = self._ffn_watch if self._ffn_lost is not None and not self._closed else None
+        if watch is None:
+            return False
+        watch.wake()
+        return True
+
     def _ffn_lost_error(self) -> AFDFFNLostError:
         since = time.monotonic() - self._ffn_lost_at
         return AFDFFNLostError(
@@ -130,13 +143,15 @@ class AwaitingFFN:
 
 
 class FFNReturnWatch:
-    """Attention rank without its FFN rank: a thread that tries, every RETRY_S, to be
-    served again, until it is or the connector closes."""
+    """Attention rank without its FFN rank: a thread that tries, every RETRY_S (at once
+    when woken), to be served again, until it is or the connector closes."""
 
     def __init__(self, connector, old_transport):
         self._connector = connector
         self._old_transport = old_transport  # closed by the thread: closing may wait
         self._stop = threading.Event()
+        self._now = threading.Event()  # woken: the next attempt starts without waiting
+        self.attempts = 0
         self._last_failure = ""
         self._thread = threading.Thread(
             target=self._watch, name=f"afd-attention-{connector.role_rank}-ffn-return", daemon=True
@@ -147,6 +162,16 @@ class FFNReturnWatch:
 
     def close(self) -> None:
         self._stop.set()
+        self._now.set()
+
+    def wake(self) -> None:
+        self._now.set()
+
+    def _wait(self) -> bool:
+        """Wait RETRY_S or until woken; True once the watch must stop."""
+        self._now.wait(RETRY_S)
+        self._now.clear()
+        return self._stop.is_set()
 
     def note_failure(self, why: str) -> None:
         if why != self._last_failure:  # one line per new reason, not one per attempt
@@ -161,7 +186,8 @@ class FFNReturnWatch:
             except Exception:  # noqa: BLE001 - its peer is gone: nothing left to close
                 logger.debug("AFD %s: old transport not closed cleanly", c._me(), exc_info=True)
             self._old_transport = None
-        while not self._stop.wait(RETRY_S) and not c._closed:
+        while not self._wait() and not c._closed:
+            self.attempts += 1
             try:
                 if c._try_return():
                     return

@@ -12,6 +12,7 @@ CORE_PATCHES = (
     "config_validation",
     "cpu_dp_collectives",
     "engine_core",
+    "fault_tolerance",
     "health",
     "mrv2_ubatch_runner",
     "step_failure",

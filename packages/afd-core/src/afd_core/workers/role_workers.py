@@ -149,6 +149,13 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
         self.afd.engine.inject_failure(reason)
         return f"attention rank {self.afd.rank}: the next step fails ({reason})"
 
+    # -- called by the API server's POST /fault_tolerance/apply (afd_core/fault_tolerance.py)
+    def afd_retry_ffn(self) -> dict:
+        """Without its FFN rank: try to be served again now rather than at the next retry
+        (connectors/ffn_return.py); `retried` False while an FFN rank serves this rank."""
+        retry = getattr(self.afd.connector, "retry_ffn_now", None)
+        return {"rank": self.afd.rank, "retried": bool(retry is not None and retry())}
+
 
 class FFNWorkerMixin(_RoleWorkerMixin):
     """Holds only MLP/MoE weights and no KV cache; a thread serves the attention ranks."""
