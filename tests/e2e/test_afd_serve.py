@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -98,10 +99,17 @@ def one_to_one(request, checkpoints, log_dir):
     colocated = colocated_server(model, arch, log_dir)
     trace = str(log_dir / f"{arch}-1a1f-trace")  # step timelines, for `afd bench`
     ffn, att = afd_pair(model, arch, log_dir, "1a1f", env={"AFD_STEP_TRACE": trace})
-    with running([colocated, ffn, att]):
+    servers = [colocated, ffn, att]  # a test may add a restarted server: stopped too
+    with running(servers):
         _ALONE[arch] = run_prompts(colocated.url)
         yield SimpleNamespace(
-            arch=arch, model=model, trace=trace, colocated=colocated, ffn=ffn, att=att
+            arch=arch,
+            model=model,
+            trace=trace,
+            colocated=colocated,
+            ffn=ffn,
+            att=att,
+            servers=servers,
         )
 
 
@@ -284,10 +292,32 @@ def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
                      "--tpot-ms", "1000", "--context", "64", "--max-devices", "4"]) == 0  # fmt: skip
 
 
+def ft_status(server) -> list[tuple]:
+    """(id, status, fault_info) of each engine on vLLM's GET /fault_tolerance/status."""
+    with urllib.request.urlopen(server.url + "/fault_tolerance/status", timeout=30) as r:
+        body = json.loads(r.read())
+    assert body["schema_version"] == 1 and body["total_engines"] == len(body["engines"])
+    return [(e["id"], e["status"], e.get("fault_info")) for e in body["engines"]]
+
+
+def ft_retry(server) -> dict:
+    """vLLM's POST /fault_tolerance/apply with `retry`: accepted at once (202)."""
+    request = urllib.request.Request(
+        server.url + "/fault_tolerance/apply",
+        data=json.dumps({"instruction": "retry", "params": {}}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 202
+        return json.loads(r.read())
+
+
 def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_to_one):
-    """Last user of the deployment: it kills the FFN server mid-generation."""
+    """Last user of the deployment but one: it kills the FFN server mid-generation."""
     d = one_to_one
     set_m(d.att, 1)
+    # vLLM's fault-tolerance status, answered by AFD without vLLM's flag
+    assert ft_status(d.att) == [(0, "healthy", None)]
     outcome = {}
 
     def long_request():
@@ -318,6 +348,73 @@ def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_t
         time.sleep(0.5)
     log = d.att.log_path.read_text(errors="replace")
     assert "lost FFN rank 0" in log and "closed the connection" in log, d.att.log_tail(60)
+    # a lost FFN rank is unhealthy, not dead: the engine is up and waits for one
+    [(engine, state, why)] = ft_status(d.att)
+    assert (engine, state) == (0, "unhealthy") and "no FFN rank 0" in why, why
+
+
+def test_fault_tolerance_retry_brings_the_attention_server_back(one_to_one, log_dir):
+    """Last user of the deployment: an orchestrator written for vLLM's fault-tolerance
+    routes restarts the lost FFN server and sends `retry` until the attention server, never
+    restarted, is healthy again."""
+    d = one_to_one
+    if d.ffn.proc.poll() is None:  # run alone: lose the FFN server first
+        os.killpg(d.ffn.proc.pid, signal.SIGKILL)
+    d.ffn.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while ft_status(d.att)[0][1] != "unhealthy":
+        assert time.monotonic() < deadline, d.att.log_tail(60)
+        time.sleep(0.5)
+    assert ft_retry(d.att)["request_id"]  # nothing to connect to yet: stays unhealthy
+    time.sleep(2.0)
+    assert ft_status(d.att)[0][1] == "unhealthy"
+
+    restarted = Server(d.ffn.spec, d.ffn.log_path.parent)
+    restarted.log_path = log_dir / f"{d.ffn.spec.name}-restarted.log"
+    d.servers.insert(d.servers.index(d.att), restarted)  # stopped after the attention server
+    started = time.monotonic()
+    restarted.start()
+    retries, last_retry, ffn_up_s = 0, started, None
+    while ft_status(d.att)[0][1] != "healthy":
+        if ffn_up_s is None and restarted.is_healthy():
+            ffn_up_s = time.monotonic() - started
+        assert restarted.proc.poll() is None, restarted.log_tail(60)
+        assert d.att.proc.poll() is None, d.att.log_tail(60)
+        assert time.monotonic() - started < 300, (d.att.log_tail(40), restarted.log_tail(40))
+        if time.monotonic() - last_retry >= 2.0:  # the orchestrator's retry, every 2 s
+            ft_retry(d.att)
+            retries, last_retry = retries + 1, time.monotonic()
+        time.sleep(0.2)
+    healthy_s = time.monotonic() - started
+    while not d.att.is_healthy():  # /health agrees (its snapshot is the same)
+        assert time.monotonic() - started < healthy_s + 10, d.att.log_tail(60)
+        time.sleep(0.2)
+    while ffn_up_s is None and not restarted.is_healthy():
+        assert time.monotonic() - started < 300, restarted.log_tail(60)
+        time.sleep(0.2)
+    ffn_up_s = ffn_up_s or time.monotonic() - started
+    back = [line for line in d.att.log_path.read_text(errors="replace").splitlines()
+            if "serves this rank again" in line]  # fmt: skip
+    assert back, d.att.log_tail(60)
+    print(
+        f"\nFFN server restarted: attention server healthy on /fault_tolerance/status after "
+        f"{healthy_s:.1f} s ({retries} retries sent, every 2 s); the FFN server's /health "
+        f"200 after {ffn_up_s:.1f} s\n{back[-1]}"
+    )
+    got = complete(d.att.url, PROMPTS[0], MAX_TOKENS)  # served, the colocated tokens
+    assert got.token_ids == _ALONE[d.arch][0].token_ids
+    # retry on a healthy engine is rejected, as vLLM rejects it (its reason on the status)
+    ft_retry(d.att)
+    deadline = time.monotonic() + 10
+    while "ft_error" not in (entry := _ft_engine(d.att)):
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.2)
+    assert entry["status"] == "healthy" and "status is HEALTHY" in entry["ft_error"], entry
+
+
+def _ft_engine(server) -> dict:
+    with urllib.request.urlopen(server.url + "/fault_tolerance/status", timeout=30) as r:
+        return json.loads(r.read())["engines"][0]
 
 
 # DeepSeek-V2: 2A1F with async DP (the attention DP ranks step independently). Qwen3-MoE:
