@@ -438,3 +438,11 @@ def test_not_served_with_several_api_server_processes(no_ranks):
     app.state.args = Namespace(api_server_count=2)
     ft.AFDFaultToleranceRoutes().attach_router(app)
     assert not [r for r in app.routes if r.path.startswith("/fault_tolerance")]
+
+
+def test_a_broken_set_up_answers_503_and_keeps_the_server_up(no_ranks):
+    engine = Engine()
+    engine.vllm_config.additional_config = {}  # no afd key: FaultTolerance cannot start
+    response = _client(_app("afd", engine)).get(ft.STATUS_PATH)
+    assert response.status_code == 503
+    assert "not available" in response.json()["error"]["message"]

@@ -233,7 +233,9 @@ def make_router():
     def state(raw_request: Request) -> FaultTolerance:
         ft = getattr(raw_request.app.state, "afd_fault_tolerance", None)
         if ft is None:
-            raise HTTPException(503, "AFD fault tolerance: this server has no engine")
+            raise HTTPException(
+                503, "AFD fault tolerance is not available on this server (see its log)"
+            )
         return ft
 
     @router.post(APPLY_PATH, dependencies=[Depends(validate_json_request)])
@@ -279,6 +281,10 @@ class AFDFaultToleranceRoutes:
         app.include_router(make_router())
 
     async def init_state(self, engine_client, state, args) -> None:
-        state.afd_fault_tolerance = (
-            FaultTolerance(engine_client) if engine_client is not None else None
-        )
+        state.afd_fault_tolerance = None
+        if engine_client is None:
+            return
+        try:  # the routes never keep the server from starting
+            state.afd_fault_tolerance = FaultTolerance(engine_client)
+        except Exception:  # noqa: BLE001 - logged; the routes answer 503
+            logger.exception("AFD: %s and %s are not available", STATUS_PATH, APPLY_PATH)
