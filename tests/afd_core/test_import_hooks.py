@@ -87,6 +87,7 @@ else:
 DEFERRED_PATCHES = {
     "engine_core": "vllm.v1.engine.async_llm",
     "health": "vllm.v1.engine.async_llm",
+    "metrics_registry": "vllm.entrypoints.serve.instrumentator.metrics",
     "step_failure": "vllm.v1.core.sched.scheduler",
     "cpu_dp_collectives": "vllm.distributed.device_communicators.cpu_communicator",
     "mrv2_ubatch_runner": "vllm.v1.worker.gpu.model_runner",

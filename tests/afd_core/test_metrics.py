@@ -176,6 +176,60 @@ def test_the_numbers_move_when_real_processes_run_steps(tmp_path):
     # connected while serving; gone once the peer said goodbye (the last snapshot)
     assert att["peer_up"] == {"0": 0} and ffn_["peer_up"] == {"0": 0}
     assert att["counters"]["failed_steps"] == 0 == ffn_["counters"]["failed_steps"]
+    # issue 36: each step timed once on both sides, its payload counted once per direction
+    # (float32 rows of HIDDEN: the attention side sends and gets back 4 * HIDDEN per layer)
+    assert sum(att["step_duration"]["counts"]) == STEPS == sum(ffn_["step_duration"]["counts"])
+    assert att["step_duration"]["sum"] >= ffn_["step_duration"]["sum"] > 0
+    payload = sum(2 + s for s in range(STEPS)) * LAYERS * 4 * HIDDEN
+    assert att["bytes_sent"] == {"0": payload} == att["bytes_received"]
+    assert ffn_["bytes_sent"] == {"0": payload} == ffn_["bytes_received"]
+    assert att["info"]["connector"] == "gloo" == ffn_["info"]["connector"]
+    assert att["info"]["server"] == "0" and att["info"]["torch_version"] != "none"
+
+
+@pytest.mark.vllm  # prometheus_client comes with vLLM (not in the afd-core lane)
+def test_info_step_duration_bytes_and_step_age_show_in_prometheus_text(tmp_path, monkeypatch):
+    from afd_core import metrics
+
+    m = RoleMetrics("attention", 2, str(tmp_path))
+    m.info.update(connector="gloo", server="2")
+    m.count_step(False, 0.003)
+    m.count_step(True, 0.2)
+    m.add_bytes(0, 1000, 400)
+    m.add_bytes(0, 1000, 400)
+    m.publish(now=True)
+    later = m.last_step_at + 42.0
+    monkeypatch.setattr(metrics.time, "time", lambda: later)
+    text = scrape(tmp_path)
+    v = metrics.versions()
+    info = (
+        f'afd_info{{afd_plugin_version="{v["afd_plugin_version"]}",'
+        f'afd_version="{v["afd_version"]}",connector="gloo",rank="2",role="attention",'
+        f'server="2",torch_version="{v["torch_version"]}",vllm_version="{v["vllm_version"]}"}} 1.0'
+    )
+    assert info in text, text
+    assert v["vllm_version"] != "none" and v["afd_version"]
+    assert 'afd_steps_total{rank="2",role="attention"} 2.0' in text
+    assert 'afd_failed_steps_total{rank="2",role="attention"} 1.0' in text
+    assert 'afd_step_duration_seconds_bucket{le="0.005",rank="2",role="attention"} 1.0' in text
+    assert 'afd_step_duration_seconds_count{rank="2",role="attention"} 2.0' in text
+    assert 'afd_bytes_sent_total{peer="0",rank="2",role="attention"} 2000.0' in text
+    assert 'afd_bytes_received_total{peer="0",rank="2",role="attention"} 800.0' in text
+    assert 'afd_last_step_age_seconds{rank="2",role="attention"} 42.0' in text
+
+
+@pytest.mark.vllm  # prometheus_client comes with vLLM (not in the afd-core lane)
+def test_a_snapshot_of_an_older_rank_still_scrapes(tmp_path):
+    """A relayed snapshot of a rank on another host running an older afd-core has none of
+    the newer fields: the collector shows what it has."""
+    snap = RoleMetrics("ffn", 0, str(tmp_path)).snapshot()
+    for key in ("info", "step_duration", "bytes_sent", "bytes_received", "last_step_at"):
+        del snap[key]
+    (tmp_path / f"ffn-0-{os.getpid()}.json").write_text(json.dumps(snap))
+    text = scrape(tmp_path)
+    assert 'afd_steps_total{rank="0",role="ffn"} 0.0' in text
+    assert 'afd_info{afd_plugin_version=""' in text
+    assert "afd_last_step_age_seconds{" not in text
 
 
 def test_exchange_wait_buckets_resolve_ten_microseconds_to_ten_seconds():

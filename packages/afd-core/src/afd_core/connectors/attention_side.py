@@ -69,6 +69,7 @@ class _AttentionStep:
     inflight: dict[int, Exchange]
     order: AttentionOrder  # the exchanges in the order the FFN rank expects them
     flags: ControlFlag = ControlFlag.NONE  # as announced (CAPTURE: nothing really moves)
+    started: float = 0.0  # when its control message was posted (trace.now)
 
 
 class AttentionSide:
@@ -109,6 +110,7 @@ class AttentionSide:
         )
         words = msg.encode()  # validates before anything is sent
         self._bound_step(msg.flags)
+        started = now()
         status_buf = torch.empty(STATUS_LEN, dtype=torch.uint8)
         try:
             # the status receive first: the FFN rank may answer before the control send
@@ -131,6 +133,7 @@ class AttentionSide:
             inflight={},
             order=AttentionOrder(self.wire.num_exchange_layers, msg.tokens),
             flags=msg.flags,
+            started=started,
         )
         self._step += 1
         return msg
@@ -275,16 +278,23 @@ class AttentionSide:
                 + "; ".join(missing or [f"micro-batch(es) {sorted(step.inflight)} in flight"])
             )
         status = self._finish(step)
-        self._count_step(failed=status.code == StatusCode.STEP_FAILED)
+        self._count_step(failed=status.code == StatusCode.STEP_FAILED, step=step)
         if status.code == StatusCode.STEP_FAILED:
             raise AFDStepError(
                 f"{self._peer_name(0)} failed {status.where()} for {self._me()}: {status.reason}"
             )
 
-    def _count_step(self, failed: bool) -> None:
-        self.metrics.add("steps")
-        if failed:
-            self.metrics.add("failed_steps")
+    def _count_step(self, failed: bool, step: _AttentionStep | None = None) -> None:
+        """A step ended (`step`: one that ran, with the FFN rank's status taken): counted,
+        timed, and its payload's bytes added (none moved in a capture)."""
+        if step is None:
+            self.metrics.count_step(failed)
+        else:
+            self.metrics.count_step(failed, now() - step.started)
+            if not step.flags & ControlFlag.CAPTURE:
+                rows = sum(step.rows) * self.wire.num_exchange_layers
+                out, back = self.row_bytes()
+                self.metrics.add_bytes(self.group, rows * out, rows * back)
         self.metrics.publish()
 
     def _ffn_gone(self) -> None:
@@ -356,7 +366,7 @@ class AttentionSide:
         if step.flags & ControlFlag.CAPTURE:
             step.inflight.clear()  # recorded, never launched: nothing to wait for
             self._finish(step)
-            self._count_step(failed=True)
+            self._count_step(failed=True, step=step)
             return f"a graph capture, nothing moved; {stopped}"
         for mb in sorted(step.inflight):
             step.inflight[mb].wait()
@@ -374,7 +384,7 @@ class AttentionSide:
             for ex in posted:
                 ex.wait()
         self._finish(step)
-        self._count_step(failed=True)
+        self._count_step(failed=True, step=step)
         return stopped
 
     def _zero_rows(self, rows: int) -> tuple:

@@ -13,6 +13,7 @@ from afd_core.connectors.base import (
     AFDPeerError,
     FFNBatch,
 )
+from afd_core.connectors.control import ControlFlag
 from afd_core.connectors.data_tags import KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS, data_tag
 from afd_core.connectors.status import (
     StatusCode,
@@ -284,10 +285,22 @@ class FFNDataPath:
             self._pending_sends.clear()
             self._plan = None
             self._step += 1
-            self.metrics.add("steps")
-            self.metrics.add("failed_steps", failure is not None)
-            self.metrics.add("ffn_busy_seconds", now() - self._busy_since)
+            busy = now() - self._busy_since
+            self.metrics.count_step(failure is not None, busy)
+            self.metrics.add("ffn_busy_seconds", busy)
+            if not plan.flags & ControlFlag.CAPTURE:
+                self._count_bytes(plan)
             self.metrics.publish()
+
+    def _count_bytes(self, plan) -> None:
+        """The step's payload per peer still served (a peer lost during the step: none)."""
+        inward, out = self.row_bytes()
+        layers = self.wire.num_exchange_layers
+        for i, peer in enumerate(self.peers):
+            if self._active_peers[i]:
+                rows = sum(mb[i] for mb in plan.rows) * layers
+                if rows:
+                    self.metrics.add_bytes(peer, rows * out, rows * inward)
 
     def _end_error(self, i: int, step_of: dict, exc) -> AFDPeerError:
         return AFDPeerError(

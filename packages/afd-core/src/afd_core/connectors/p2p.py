@@ -118,6 +118,8 @@ class PointToPointConnector(
         self._ring_next = 0
         self._trace = trace_for(config.role, role_rank)
         self.metrics = RoleMetrics(config.role, role_rank)  # on the server's /metrics
+        self.metrics.info.update(connector=config.connector, server=str(config.start_rank))
+        self._row_bytes: tuple[int, int] | None = None  # see row_bytes()
         self._share: SnapshotShare | None = None  # a server spanning hosts: share_metrics
         self._busy_since = 0.0  # FFN side: when the step in flight was assembled
 
@@ -174,6 +176,18 @@ class PointToPointConnector(
         transport.formation_timeout_s = None  # connect_timeout_s: the store is up already
         transport.open_store()
         return transport
+
+    def row_bytes(self) -> tuple[int, int]:
+        """(bytes one row carries from attention to FFN: hidden state, router logits, token
+        id as the wire has them; bytes it carries back: the hidden state) per layer."""
+        if self._row_bytes is None:
+            import torch
+
+            w = self.wire
+            hidden = w.hidden_size * getattr(torch, w.dtype).itemsize
+            logits = w.router_width * getattr(torch, w.router_dtype).itemsize
+            self._row_bytes = (hidden + logits + 8 * w.token_ids, hidden)
+        return self._row_bytes
 
     def _bound_step(self, flags) -> None:
         """Bound this step's waits: a start-up step (STARTUP: the attention server's

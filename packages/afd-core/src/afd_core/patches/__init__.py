@@ -14,6 +14,7 @@ CORE_PATCHES = (
     "engine_core",
     "fault_tolerance",
     "health",
+    "metrics_registry",
     "mrv2_ubatch_runner",
     "step_failure",
 )

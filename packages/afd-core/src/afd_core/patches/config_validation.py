@@ -53,7 +53,7 @@ from afd_core.config import AFD_KEY, AUTO
 from afd_core.connectors.control import MAX_MICROBATCHES
 from afd_core.connectors.gate import deployment_secret
 from afd_core.log import get_logger
-from afd_core.metrics import register_collector
+from afd_core.metrics import register_collector, server_root_pid
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
 from afd_core.registration import StepStatus
 
@@ -362,10 +362,12 @@ def prepare_afd_config(device_type: str, vllm_config):
     assert_steps_ok_for(afd)
     deployment_secret()  # a secret set but unreadable or too short: named before anything
     envs.mark_deployment(afd.role)  # deferred patches then gate this server's processes
-    register_collector()  # the ranks' afd_* metrics on this server's /metrics
+    pc = vllm_config.parallel_config
+    # the ranks' afd_* metrics on this server's /metrics (each API server process's)
+    api = getattr(pc, "_api_process_count", 1), getattr(pc, "_api_process_rank", 0)
+    register_collector(server_root_pid(*api))
     validate_deployment(afd, vllm_config, device_type)
     validate_model(afd, vllm_config)
-    pc = vllm_config.parallel_config
     if (ranks := ranks_across_hosts(afd, pc)) is not None:
         envs.mark_server_ranks(ranks)  # before async DP makes each engine's config DP size 1
     m = resolve_microbatches(afd, pc)
