@@ -457,8 +457,8 @@ def _graph_flags(platform: str, args: list[str]) -> list[str]:
 def _api_server_flags(data_parallel_size: int, args: list[str]) -> list[str]:
     """One API server on the head of a data-parallel server, unless its args choose: `vllm
     serve` starts one per data-parallel rank by default (vLLM 0.32: entrypoints/cli/
-    serve.py), and then serves its own metrics registry, without AFD's ranks on /metrics or
-    their FFN rank's loss on /health (docs/metrics.md)."""
+    serve.py). Several API server processes now show AFD's ranks on /metrics and /health
+    (patch metrics_registry, docs/metrics.md); one stays the default, as before."""
     flags = {a.split("=", 1)[0].replace("_", "-") for a in args if a.startswith("-")}
     chosen = bool(flags & {"--api-server-count", "-asc"})
     return ["--api-server-count", "1"] if data_parallel_size > 1 and not chosen else []
