@@ -1,5 +1,5 @@
 """The `afd` command line: `afd doctor`, `afd demo`, `afd plan`, `afd bench`, `afd launch`,
-`afd ray`, `afd k8s`."""
+`afd ray`, `afd k8s`, `afd pd-router`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,9 @@ EXAMPLES = {
     "launch": ["afd launch deploy.toml --print", "afd launch deploy.toml --host f"],
     "ray": ["afd ray deploy.toml --address 10.0.0.1:6379"],
     "k8s": ["afd k8s deploy.toml --image registry.example/afd:0.1 -o afd.yaml"],
+    "pd-router": [
+        "afd pd-router --prefill http://10.0.0.3:8200 --decode http://10.0.0.2:8000 --port 9000"
+    ],
 }
 
 
@@ -130,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     from afd_plugin.deploy import k8s as deploy_k8s
 
     deploy_k8s.add_arguments(command("k8s", "render a deployment spec as Kubernetes manifests"))
+    from afd_plugin.deploy import pd_router
+
+    pd_router.add_arguments(
+        command(
+            "pd-router",
+            "route requests to prefill servers, then to AFD decode servers (docs/pd.md)",
+        )
+    )
     return parser
 
 
@@ -177,6 +188,10 @@ def _main(argv: list[str] | None) -> int:
         from afd_plugin.deploy.k8s import main as k8s_main
 
         return k8s_main(args)
+    if args.command == "pd-router":
+        from afd_plugin.deploy.pd_router import main as router_main
+
+        return router_main(args)
     return 2
 
 
