@@ -6,7 +6,7 @@ do: the prompt to the prefill server with max_tokens=1, then the whole request t
 decode server, which loads the prompt's whole blocks and computes only the rest.
 
 One deployment (a colocated reference server, the prefill server, the AFD pair) answers
-both tests: one request at a time, then two as one batch with DBO m = 2 (the step that
+every test: one request at a time, then two as one batch with DBO m = 2 (the step that
 loads KV runs unsplit, the decode steps in two micro-batches of one request each). The
 greedy tokens and their logprobs are the colocated server's (equal in both runs), and the
 decode server's own counters show the KV came from the connector: vLLM's prompt tokens by
@@ -14,13 +14,23 @@ source (`external_kv_transfer`: every whole block below the last prompt token) a
 consumer's "Inject KV cache" log lines (logged before ExampleConnector looks at the step's
 forward context, so they alone do not prove a load).
 
+Then the same requests through `afd pd-router` (in this process), and at the end of the
+module, failures through it: the FFN server killed while a request decodes (the attention
+server's 500 reaches the client, timed), then the prefill server killed (the router's 502,
+timed).
+
 qwen3_moe (CPU_ATTN, block size 32, its unit), fp32.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import re
+import signal
+import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -188,3 +198,95 @@ def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
     assert ran == {"1": 1, "2": MAX_TOKENS - 1}, ran
     assert_colocated_tokens(pd.alone, got)
     assert_loaded_from_the_connector(pd, before, inject_before)
+
+
+# -- through afd pd-router ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def router(pd):
+    from afd_plugin.deploy.pd_router import RouterConfig, RunningRouter
+
+    config = RouterConfig(prefill=(pd.prefill.url,), decode=(pd.decode.url,), port=0)
+    with RunningRouter(config) as r:
+        yield r
+
+
+def test_through_the_router_the_tokens_are_colocated(pd, router):
+    with urllib.request.urlopen(router.url + "/health", timeout=30) as r:
+        health = json.loads(r.read())
+    assert health == {"prefill": {pd.prefill.url: 200}, "decode": {pd.decode.url: 200}}
+    before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
+    got = [complete(router.url, p, MAX_TOKENS) for p in PROMPTS]
+    assert_colocated_tokens(pd.alone, got)
+    assert_loaded_from_the_connector(pd, before, inject_before)
+
+
+# -- failures (these end the deployment: last in the module) ---------------------------------
+
+
+def _post_router(router, prompt: str, max_tokens: int, timeout: float = 120.0):
+    """(status, JSON answer, seconds) of one completion through the router."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    req = urllib.request.Request(
+        router.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read()
+    return status, json.loads(text), time.monotonic() - t0
+
+
+def test_a_killed_ffn_server_fails_the_routed_request_with_the_attention_servers_500(pd, router):
+    """The FFN server killed while a routed request streams its tokens: the stream ends
+    with an error, not a hang; then a new routed request gets the attention server's 500
+    through the router."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 300, "ignore_eos": True}
+    req = urllib.request.Request(
+        router.url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    events, killed_at = [], None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        try:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                events.append(line[6:].strip())
+                if len(events) == 5:  # mid-decode
+                    killed_at = time.monotonic()
+                    os.killpg(pd.ffn.proc.pid, signal.SIGKILL)
+        except (OSError, http.client.HTTPException):
+            events.append(b"(the connection broke)")
+    assert killed_at is not None, events
+    in_flight = time.monotonic() - killed_at
+    tokens = [e for e in events if e.startswith(b"{") and b'"choices"' in e]
+    assert len(tokens) < 300 and any(b"error" in e or b"broke" in e for e in events), events[-3:]
+    status, answer, seconds = _post_router(router, PROMPTS[1], MAX_TOKENS)
+    print(
+        f"FFN server killed: the streamed routed request ended with {events[-2:]} "
+        f"{in_flight:.2f} s after the kill, after {len(tokens)} token events; a new routed "
+        f"request failed in {seconds:.2f} s ({status}: {answer})"
+    )
+    assert in_flight < 30, in_flight
+    assert status == 500 and seconds < 30, (status, answer, seconds)
+
+
+def test_a_killed_prefill_server_fails_the_routed_request_quickly(pd, router):
+    os.killpg(pd.prefill.proc.pid, signal.SIGKILL)
+    pd.prefill.proc.wait(30)
+    status, answer, seconds = _post_router(router, PROMPTS[1], MAX_TOKENS)
+    print(f"prefill server killed: the routed request failed in {seconds:.3f} s ({status})")
+    assert status == 502, answer
+    assert answer["error"]["stage"] == "prefill" and pd.prefill.url in answer["error"]["message"]
+    assert seconds < 5, seconds
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(router.url + "/health", timeout=30)
+    assert exc.value.code == 503
