@@ -846,7 +846,7 @@ def test_afd_k8s_options_reach_the_manifests(tmp_path, capsys):
     assert docs == manifests(check_spec(tomllib.loads(spec.read_text())), opts)
     _validate(docs)
     bad = [
-        (["--cpu", "gpu=4"], "--cpu gpu=4 names role 'gpu'; allowed: attention or ffn"),
+        (["--cpu", "gpu=4"], "--cpu gpu=4 names role 'gpu'; allowed: attention, ffn, prefill"),
         (["--memory", "0"], "--memory '0' is invalid; allowed: a positive Kubernetes quantity"),
         (["--shm-size=-1Gi"], "--shm-size '-1Gi' is invalid"),
         (["--ephemeral-storage", "lots"], "--ephemeral-storage 'lots' is invalid"),

@@ -9,11 +9,22 @@ deployment listens on: the rendezvous port, the FFN servers' API ports (health a
 metrics: open them to your monitoring), the data-parallel RPC ports and the ephemeral
 range. Other services of the host (SSH) are left alone. iptables syntax, one block per
 host; IPv6 addresses get ip6tables.
+
+Prefill/decode: the router's port takes clients (it is the public API); the prefill
+servers' API ports are internal (the router reaches them from its host, a deployment
+host). KV transfers: vLLM's ExampleConnector moves KV through a shared folder and opens
+no port. NixlConnector listens on its side channel (VLLM_NIXL_SIDE_CHANNEL_PORT + the DP
+rank, 5600 by default), dropped here for strangers, and moves the blocks over UCX, whose
+TCP transport takes ports the rules leave open between deployment hosts only if they are
+in the ephemeral range (the deployment hosts' accept rule covers any port); RDMA
+transports do not pass iptables at all.
 """
 
 from __future__ import annotations
 
 import ipaddress
+
+from afd_plugin.deploy.spec import nixl_side_channel_ports
 
 EPHEMERAL = "$(tr '\\t' ':' < /proc/sys/net/ipv4/ip_local_port_range)"
 
@@ -37,6 +48,12 @@ def host_rules(d, host: str) -> list[str]:
     peers = sorted({h.address for name, h in d.spec.hosts.items() if name != host} - {me})
     out += [f"{tool} -A INPUT -p tcp -s {a} -j ACCEPT  # deployment host" for a in peers]
     internal: dict[int, str] = {}
+    router = d.spec.router
+    if router is not None and router.host == host:
+        out.append(
+            f"{tool} -A INPUT -p tcp --dport {router.port} -j ACCEPT  "
+            f"# {router.name}'s API (the P/D router): clients"
+        )
     for plan in d.servers:
         head = plan.placements[0].host
         if head == host:
@@ -45,10 +62,18 @@ def host_rules(d, host: str) -> list[str]:
                     f"{tool} -A INPUT -p tcp --dport {plan.spec.port} -j ACCEPT  "
                     f"# {plan.spec.name}'s API: clients"
                 )
+            elif plan.spec.role == "prefill":
+                internal[plan.spec.port] = f"{plan.spec.name}'s API (prefill: the router's)"
             else:
                 internal[plan.spec.port] = f"{plan.spec.name}'s API (health, metrics)"
             if len(plan.placements) > 1:
                 internal[plan.spec.data_parallel_rpc_port] = f"{plan.spec.name}'s DP RPC"
+        first = 0
+        for p in plan.placements:
+            if p.host == host:
+                for port in nixl_side_channel_ports(d.spec, plan.spec, p, first):
+                    internal[port] = f"{plan.spec.name}'s NIXL side channel"
+            first += p.ranks
     if host == d.rendezvous_host:
         internal[d.spec.rendezvous_port] = "the rendezvous"
     out += [
@@ -65,7 +90,8 @@ def host_rules(d, host: str) -> list[str]:
 def format_rules(d) -> str:
     lines = [
         "# firewall (bare hosts): only the deployment's hosts reach its internal ports; "
-        "clients reach the attention API ports (docs/deploy.md, Network checklist)"
+        "clients reach the attention API ports and the P/D router's (docs/deploy.md, Network "
+        "checklist)"
     ]
     for host, spec in d.spec.hosts.items():
         lines.append(f"\n# on host {host} ({spec.address})")

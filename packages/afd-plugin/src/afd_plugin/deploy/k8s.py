@@ -7,7 +7,11 @@ them: a headless Service for the rendezvous (FFN rank 0's pod; the afd config's 
 its DNS name), a headless Service per StatefulSet (the LeaderWorkerSet controller makes its
 own), a ClusterIP Service per attention server and one over every attention server, a
 PodDisruptionBudget per server, NetworkPolicies that admit clients to the attention API
-ports alone, optionally a PodMonitor, and the deployment secret as a Secret. Every
+ports alone, optionally a PodMonitor, and the deployment secret as a Secret. Prefill
+servers (P/D, docs/pd.md) are workloads like the others, plain vLLM (no rendezvous wait,
+no secret), with a ClusterIP Service each; a [router] becomes a Deployment of `afd
+pd-router` over those Services and the attention servers', with a Service and a
+NetworkPolicy admitting clients to it. Every
 container runs the argv `commands()` builds for `afd launch`, with the host addresses
 replaced by the pod's own (`$(POD_IP)`), the head's (`$(LWS_LEADER_ADDRESS)`) and the
 rendezvous Service's name; every pod template gets requests equal to its limits, a sized
@@ -29,7 +33,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_core.config import ROLES
 from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_core.connectors.registry import default_connector_for
 from afd_plugin.deploy.spec import (
@@ -42,6 +45,7 @@ from afd_plugin.deploy.spec import (
     commands,
     load_spec,
 )
+from afd_plugin.deploy.spec import SPEC_ROLES as ROLES
 from afd_plugin.deploy.spec import startup_budget_s as spec_startup_budget_s
 
 SECRET_KEY = "secret"  # the key of the deployment secret in its Secret
@@ -63,6 +67,9 @@ SERVE = {
     "cuda": ["vllm", "serve"],
     "npu": ["vllm", "serve"],
 }
+# how the image runs `afd pd-router`, and the router pod's requests (= limits)
+ROUTER = ["python3", "-m", "afd_plugin.cli", "pd-router"]
+ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}
 # A pod's default requests (limits are the same: QoS Guaranteed): CPUs and GiB of memory
 # per device (cuda, npu: accelerators, as llm-d's 8-GPU vLLM pod asks 32 CPUs and 512Gi;
 # cpu: rank workers), ephemeral-storage (logs, compile caches) and /dev/shm per pod.
@@ -116,7 +123,7 @@ class K8sOptions:
     model_volume: str | None = None  # "pvc:CLAIM" or "hostPath:/path"
     secret_name: str | None = None  # an existing Secret holding the key "secret"
     startup_timeout_s: float = OWN_LOAD_S  # the server's own loading, before waiting for peers
-    # per role ("attention", "ffn"): a pod's request (= limit), instead of DEFAULT_RESOURCES
+    # per role ("attention", "ffn", "prefill"): a pod's request (= limit), instead of DEFAULT_RESOURCES
     cpu: dict[str, str] = field(default_factory=dict)
     memory: dict[str, str] = field(default_factory=dict)
     ephemeral_storage: dict[str, str] = field(default_factory=dict)
@@ -166,7 +173,7 @@ def _check_options(opts: K8sOptions) -> None:
         if role is not None and role not in ROLES:
             raise SpecError(
                 f"afd k8s: {flag} {role}={value} names role {role!r}; allowed: "
-                f"{' or '.join(ROLES)} (ROLE=QUANTITY), or QUANTITY for both"
+                f"{', '.join(ROLES)} (ROLE=QUANTITY), or QUANTITY for every role"
             )
         m = _QUANTITY.match(value) if value is not None else None
         if value is not None and not (m and re.search("[1-9]", m["number"])):
@@ -333,6 +340,13 @@ class _Names:
     def rendezvous(self) -> str:
         return f"{self.opts.name}-rendezvous"
 
+    def router(self, name: str) -> str:
+        return f"{self.opts.name}-{dns_name(name)}"
+
+    def api_url(self, plan: ServerPlan) -> str:
+        """A server's ClusterIP Service, as the router reaches it."""
+        return f"http://{self.server(plan)}-api.{self.opts.namespace}.svc:{plan.spec.port}"
+
     def secret(self) -> str:
         return self.opts.secret_name or f"{self.opts.name}-secret"
 
@@ -362,9 +376,11 @@ def _k8s_view(d: Deployment, rendezvous: str, secret: bool) -> Deployment:
 
 def _env(c: HostCommand, host_addresses: set[str]) -> list[dict]:
     """commands()'s env with each host address (VLLM_HOST_IP) the pod's, and AFD's
-    channels on the pod's address too (unless the spec's env chooses)."""
+    channels on the pod's address too (unless the spec's env chooses; not on a prefill
+    server, which runs no AFD)."""
     env = {k: POD_IP if v in host_addresses else _escape(v) for k, v in c.env.items()}
-    env.setdefault("AFD_CHANNEL_ADDRESS", POD_IP)
+    if c.role != "prefill":
+        env.setdefault("AFD_CHANNEL_ADDRESS", POD_IP)
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     return [pod_ip, *({"name": k, "value": v} for k, v in env.items())]
 
@@ -417,9 +433,11 @@ def _pod_template(
                 {"name": "rendezvous", "containerPort": d.spec.rendezvous_port}
             )
         health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+        # a prefill server waits for no peer: its own loading alone
+        budget = opts.startup_timeout_s if role == "prefill" else startup_budget_s(d, opts)
         container["startupProbe"] = health | {
             "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": math.ceil(startup_budget_s(d, opts) / PROBE_PERIOD_S),
+            "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
         }
         container["readinessProbe"] = health | {"periodSeconds": PROBE_PERIOD_S}
         # the API port, not /health: /health answers 503 while a peer is lost, by design
@@ -438,7 +456,7 @@ def _pod_template(
     shm = opts.shm_size or DEFAULT_RESOURCES[platform][3]
     pod_volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     pod_volumes += volumes[0]
-    if d.spec.secret_file:
+    if d.spec.secret_file and role != "prefill":
         container["volumeMounts"].append(
             {"name": "afd-secret", "mountPath": SECRET_DIR, "readOnly": True}
         )
@@ -460,6 +478,8 @@ def _pod_template(
         "containers": [container],
         "volumes": pod_volumes,
     }
+    if role == "prefill":  # no rendezvous to wait for
+        del spec["initContainers"]
     if platform in DEVICE_RESOURCE:  # device nodes are often tainted with the device's name
         spec["tolerations"] = [
             {"key": DEVICE_RESOURCE[platform], "operator": "Exists", "effect": "NoSchedule"}
@@ -521,7 +541,7 @@ def _check_names(d: Deployment, names: _Names) -> None:
                 f"allowed: {limit} at most (its pods' labels hold the name and a hash): pass "
                 "a shorter --name or server name"
             )
-        taken = [name] + ([f"{name}-api"] if plan.spec.role == "attention" else [])
+        taken = [name] + ([f"{name}-api"] if plan.spec.role != "ffn" else [])
         for n in taken:
             if n in seen:
                 raise SpecError(
@@ -529,6 +549,18 @@ def _check_names(d: Deployment, names: _Names) -> None:
                     "names that stay distinct as DNS labels (lower case, '_' and '.' as '-')"
                 )
             seen[n] = where
+    if d.spec.router is not None:
+        n = names.router(d.spec.router.name)
+        if n in seen:
+            raise SpecError(
+                f"afd k8s: router.name={d.spec.router.name!r} would be named {n!r}, as is "
+                f"{seen[n]}; allowed: a name that stays distinct as a DNS label"
+            )
+        if len(n) > MAX_SERVICE_NAME:
+            raise SpecError(
+                f"afd k8s: the router would be named {n!r} ({len(n)} characters); allowed: "
+                f"{MAX_SERVICE_NAME} at most: pass a shorter --name or router.name"
+            )
 
 
 def _check_placements(d: Deployment) -> None:
@@ -595,7 +627,7 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
             },
         }
     )
-    for plan in attention:
+    for plan in [*attention, *(p for p in view.servers if p.spec.role == "prefill")]:
         docs.append(
             {
                 "apiVersion": "v1",
@@ -611,8 +643,10 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
     by_server: dict[str, list[HostCommand]] = {}
     for c in commands(view, serve):
         by_server.setdefault(c.server, []).append(c)
-    workloads = []
+    workloads, prefill_workloads = [], []
     for plan in sorted(view.servers, key=lambda p: p.spec.role != "ffn"):
+        # prefill servers (plain vLLM) stay out of the AFD gang's digest below
+        target = prefill_workloads if plan.spec.role == "prefill" else workloads
         head, *workers = by_server[plan.spec.name]
         name = names.server(plan)
         k0 = plan.placements[0].ranks
@@ -632,16 +666,18 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
                     },
                 }
             )
-            workloads.append(_stateful_set(names, plan, leader))
-            continue
-        k = plan.placements[1].ranks
-        commands_ = [_worker_command(w, k0, k) for w in workers]
-        assert all(cmd == commands_[0] for cmd in commands_), "one worker template"
-        worker = _pod_template(*args, commands_[0], workers[0], k, False, volumes)
-        workloads.append(_leader_worker_set(names, plan, leader, worker))
+            target.append(_stateful_set(names, plan, leader))
+        else:
+            k = plan.placements[1].ranks
+            commands_ = [_worker_command(w, k0, k) for w in workers]
+            assert all(cmd == commands_[0] for cmd in commands_), "one worker template"
+            worker = _pod_template(*args, commands_[0], workers[0], k, False, volumes)
+            target.append(_leader_worker_set(names, plan, leader, worker))
     gang = connector(d) in GANG_CONNECTORS
     docs += [_disruption_budget(names, plan, gang) for plan in view.servers]
     docs += _network_policies(names)
+    if d.spec.router is not None:
+        docs += _router(d, names)
     if opts.pod_monitor:
         docs.append(_pod_monitor(names))
     # independent plain-JSON documents (no object shared between them, no YAML anchors)
@@ -650,7 +686,68 @@ def manifests(d: Deployment, opts: K8sOptions) -> list[dict]:
         digest = hashlib.sha256(json.dumps(workloads, sort_keys=True).encode()).hexdigest()
         for template in _templates(workloads):
             template["metadata"].setdefault("annotations", {})[DEPLOYMENT_HASH] = digest[:16]
-    return json.loads(json.dumps(docs)) + workloads
+    return json.loads(json.dumps(docs)) + workloads + json.loads(json.dumps(prefill_workloads))
+
+
+def _router(d: Deployment, names: _Names) -> list[dict]:
+    """`afd pd-router` as a Deployment (stateless: no rank, any node) over the prefill and
+    attention servers' ClusterIP Services, a Service in front of it and a NetworkPolicy
+    that admits clients to its port. Ready when every backend is (its /health)."""
+    r = d.spec.router
+    assert r is not None
+    name = names.router(r.name)
+    labels = names.labels() | {"afd.role": "router", "afd.server": dns_name(r.name)}
+    prefill = [names.api_url(p) for p in d.servers if p.spec.role == "prefill"]
+    decode = [names.api_url(p) for p in d.servers if p.spec.role == "attention"]
+    command = [*ROUTER, "--prefill", *prefill, "--decode", *decode]
+    command += ["--host", POD_IP, "--port", str(r.port), *(_escape(a) for a in r.args)]
+    env = {**d.spec.hosts[r.host].env, **r.env}
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    container = {
+        "name": "router",
+        "image": names.opts.image,
+        "command": command,
+        "env": [pod_ip, *({"name": k, "value": _escape(v)} for k, v in env.items())],
+        "ports": [{"name": "http", "containerPort": r.port}],
+        "resources": {"requests": ROUTER_RESOURCES, "limits": dict(ROUTER_RESOURCES)},
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 10,
+        },
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": LIVENESS_FAILURES,
+        },
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": names.meta(name) | {"labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"enableServiceLinks": False, "containers": [container]},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.meta(name) | {"labels": labels},
+        "spec": {
+            "selector": labels,
+            "ports": [{"name": "http", "port": r.port, "targetPort": "http"}],
+        },
+    }
+    policy = _network_policy(
+        names, f"{dns_name(r.name)}-api", labels, {"ports": [{"protocol": "TCP", "port": "http"}]}
+    )
+    return [service, policy, deployment]
 
 
 def _templates(workloads: list[dict]) -> Iterator[dict]:
@@ -667,7 +764,9 @@ def _disruption_budget(names: _Names, plan: ServerPlan, gang: bool) -> dict:
     lost pod can stop it all, so it is restarted as a whole, by hand (docs/deploy.md). On
     gloo one pod of a server at a time, but none of an FFN server without FFN rank 0,
     whose restart is refused while rank 0 runs (docs/protocol.md)."""
-    alone = not gang and (plan.spec.role == "attention" or plan.start_rank == 0)
+    alone = plan.spec.role == "prefill" or (
+        not gang and (plan.spec.role == "attention" or plan.start_rank == 0)
+    )
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

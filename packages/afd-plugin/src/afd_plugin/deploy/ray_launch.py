@@ -26,7 +26,13 @@ import socket
 import sys
 from pathlib import Path
 
-from afd_plugin.deploy.launch import MODULE_SERVE, HostProcess, _ProcessSpec, serve
+from afd_plugin.deploy.launch import (
+    MODULE_ROUTER,
+    MODULE_SERVE,
+    HostProcess,
+    _ProcessSpec,
+    serve,
+)
 from afd_plugin.deploy.servers import ServerError
 from afd_plugin.deploy.spec import (
     Deployment,
@@ -69,7 +75,7 @@ def bundle(d: Deployment, c: HostCommand) -> dict[str, float]:
     """The Ray resources of one process: its role's, pinned to its host's node."""
     role = d.spec.roles.get(c.role)
     out = {"CPU": 1.0}
-    if device := DEVICE_RESOURCE.get(d.spec.platform):
+    if (device := DEVICE_RESOURCE.get(d.spec.platform)) and c.devices:
         out[device] = float(c.devices)
     if role is not None:
         out |= role.ray_resources
@@ -84,9 +90,13 @@ class _NodeProcess(HostProcess):
 class ServerProcess:
     """On a Ray node: one process of the spec, started when the actor is made."""
 
-    def __init__(self, name: str, argv: list[str], address: str, port, env: dict, log_dir):
-        # MODULE_SERVE: this node's Python (deploy.launch is imported in the actor's process)
-        spec = _ProcessSpec(name, [*MODULE_SERVE, *argv], address, port, env)
+    def __init__(
+        self, name: str, argv: list[str], address: str, port, env: dict, log_dir, router=False
+    ):
+        # MODULE_SERVE, MODULE_ROUTER: this node's Python (deploy.launch is imported in the
+        # actor's process)
+        program = MODULE_ROUTER if router else MODULE_SERVE
+        spec = _ProcessSpec(name, [*program, *argv], address, port, env)
         self.server = _NodeProcess(spec, Path(log_dir))
         self.server.start()
 
@@ -125,6 +135,7 @@ class RayServer:
         address = d.spec.hosts[c.host].address
         self.spec = _ProcessSpec(c.name, c.argv, address, c.api_port, c.env)
         self.host = c.host
+        self.router = c.role == "router"  # afd pd-router, not vllm serve
         self.resources = resources  # its bundle of the placement group
         self.log_path = f"{log_dir / (c.name + '.log')} on {c.host} ({address})"
         self._pg, self._index, self._log_dir = pg, index, log_dir
@@ -148,7 +159,7 @@ class RayServer:
         self.actor = (
             ray.remote(ServerProcess)
             .options(**options, scheduling_strategy=strategy, name=None, max_restarts=0)
-            .remote(s.name, s.argv, s.address, s.port, s.env, str(self._log_dir))
+            .remote(s.name, s.argv, s.address, s.port, s.env, str(self._log_dir), self.router)
         )
         self.call("poll", timeout=ACTOR_START_S)  # the actor is up and its process started
         return self
@@ -245,7 +256,7 @@ def main(args) -> int:
         return 2
     pg = None
     try:
-        cmds = commands(d, [])
+        cmds = commands(d, [], [])
         check_nodes(d, cmds, ray.nodes())
         log_dir = Path(args.log_dir).absolute()
         bundles = [bundle(d, c) for c in cmds]

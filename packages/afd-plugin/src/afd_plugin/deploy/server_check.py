@@ -58,8 +58,22 @@ def _flag(arg: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def owned_flag_problem(args: list[str]) -> str | None:
-    for arg in args:
+def owned_flag_problem(args: list[str], prefill: bool = False) -> str | None:
+    """A flag of `args` the spec writes itself. A prefill server (plain vLLM) may take
+    --additional-config, without an `afd` key."""
+    for i, arg in enumerate(args):
+        if prefill and _flag(arg) == "--additional-config":
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1 : i + 2] or [""])[0]
+            try:
+                config = json.loads(value)
+            except ValueError:
+                config = None
+            if isinstance(config, dict) and "afd" in config:
+                return (
+                    "--additional-config holds an 'afd' key; a prefill server is an ordinary "
+                    "vLLM server: allowed: --additional-config without 'afd'"
+                )
+            continue
         if arg.startswith("-") and _flag(arg) in OWNED_FLAGS:
             return (
                 f"{arg.split('=', 1)[0]} is set by the spec itself; allowed: set "
@@ -161,6 +175,43 @@ def startup_problem(afd, platform: str, flags: ServeFlags, tp: int, dp: int) -> 
     if afd.is_ffn:
         return ffn_server_problem(platform, tp, dp, flags.expert_parallel)
     return microbatch_problem(platform, m, flags.graph_mode, adaptive=afd.adaptive_microbatches)
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """What a server's `--kv-transfer-config` says (the whole JSON, or dotted flags such as
+    `--kv-transfer-config.kv_role`; the last of each key wins, as in vLLM)."""
+
+    connector: str | None
+    role: str | None
+
+
+def kv_transfer(args: list[str]) -> KVTransfer | None:
+    """The server's KV-transfer config, None without one; ValueError for JSON that is
+    not an object."""
+    config: dict = {}
+    found = False
+    for flag, value in _values(args):
+        name, _, key = flag.partition(".")
+        if name != "--kv-transfer-config":
+            continue
+        found = True
+        if not key:
+            try:
+                whole = json.loads(value or "")
+            except ValueError:
+                whole = None
+            if not isinstance(whole, dict):
+                raise ValueError(f"--kv-transfer-config {value!r} is not a JSON object")
+            config |= whole
+        elif value is not None:
+            config[key.replace("-", "_")] = value
+    if not found:
+        return None
+    connector, role = config.get("kv_connector"), config.get("kv_role")
+    return KVTransfer(
+        str(connector) if connector is not None else None, str(role) if role else None
+    )
 
 
 def deployment_problem(afd_keys: dict, has_ffn_group: bool) -> str | None:

@@ -26,6 +26,11 @@ each host's `vllm serve` commands (afd_plugin.deploy.launch starts them).
     port = 8100
     hosts = ["a"]                       # one per data-parallel rank group, see below
     ...
+
+Prefill/decode (docs/pd.md): servers of role "prefill" are ordinary vLLM servers (no `afd`
+config), the KV producers, each with its own `--kv-transfer-config` in `args`; the
+attention servers are then the KV consumers. An optional `[router]` (a host and a port)
+runs `afd pd-router` in front of them.
 """
 
 from __future__ import annotations
@@ -109,9 +114,13 @@ class Placement(_Strict):
     devices: list[Annotated[int, BeforeValidator(_require_int), Field(ge=0)]] | None = None
 
 
+SPEC_ROLES = ("attention", "ffn", "prefill")  # AFD's roles, and ordinary prefill servers
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
 class ServerSpec(_Strict):
-    name: Str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    role: Literal["attention", "ffn"]
+    name: Str = Field(min_length=1, pattern=_NAME)
+    role: Literal["attention", "ffn", "prefill"]
     port: Int = Field(ge=1, le=65535)
     tensor_parallel_size: Int = Field(default=1, ge=1)
     # where the server's data-parallel ranks run: a host name (every rank there), or a
@@ -140,6 +149,16 @@ class RoleDefaults(_Strict):
     pod_patch: dict[Literal["metadata", "spec"], Any] = Field(default_factory=dict)
 
 
+class RouterSpec(_Strict):
+    """`afd pd-router` in front of the prefill servers and the attention servers."""
+
+    name: Str = Field(default="router", min_length=1, pattern=_NAME)
+    host: Str = Field(min_length=1)  # a host of [hosts]; it listens on that address
+    port: Int = Field(ge=1, le=65535)
+    args: list[Str] = Field(default_factory=list)  # more `afd pd-router` flags (timeouts)
+    env: dict[Str, Str] = Field(default_factory=dict)
+
+
 class DeploymentSpec(_Strict):
     model: Str = Field(min_length=1)
     platform: Literal["cpu", "cuda", "npu"] = "cpu"
@@ -150,7 +169,8 @@ class DeploymentSpec(_Strict):
     afd: dict[Str, Any] = Field(default_factory=dict)
     hosts: dict[Str, HostSpec]
     servers: list[ServerSpec]
-    roles: dict[Literal["attention", "ffn"], RoleDefaults] = Field(default_factory=dict)
+    roles: dict[Literal["attention", "ffn", "prefill"], RoleDefaults] = Field(default_factory=dict)
+    router: RouterSpec | None = None
 
 
 FIELD_HELP = {
@@ -210,6 +230,8 @@ def _model_at(loc: tuple) -> type[BaseModel]:
         return Placement if "hosts" in loc[1:] else ServerSpec
     if loc[0] == "roles":
         return RoleDefaults
+    if loc[0] == "router":
+        return RouterSpec
     return DeploymentSpec
 
 
@@ -225,8 +247,11 @@ class ServerPlan:
 
     @property
     def ranks(self) -> int:
-        """AFD ranks it holds: attention DP x TP workers, or FFN DP ranks."""
+        """AFD ranks it holds: attention DP x TP workers, or FFN DP ranks (none for a
+        prefill server)."""
         dp = self.spec.data_parallel_size
+        if self.spec.role == "prefill":
+            return 0
         return dp * self.spec.tensor_parallel_size if self.spec.role == "attention" else dp
 
 
@@ -248,6 +273,16 @@ class Deployment:
     @property
     def rendezvous_address(self) -> str:
         return self.spec.hosts[self.rendezvous_host].address
+
+    def afd_servers(self) -> list[ServerPlan]:
+        """The attention and FFN servers (not the prefill servers)."""
+        return [p for p in self.servers if p.spec.role != "prefill"]
+
+    def url(self, plan: ServerPlan) -> str:
+        """A server's API, as the router reaches it (its head's address)."""
+        address = self.spec.hosts[plan.placements[0].host].address
+        host = f"[{address}]" if ":" in address else address
+        return f"http://{host}:{plan.spec.port}"
 
 
 def load_spec(path: str | Path) -> Deployment:
@@ -275,20 +310,38 @@ def check_spec(raw: dict) -> Deployment:
             raise SpecError(
                 f"deployment spec: servers has no {role} server; allowed: {FIELD_HELP['servers']}"
             )
+    if spec.router is not None:
+        if not any(s.role == "prefill" for s in spec.servers):
+            raise SpecError(
+                "deployment spec: [router] needs prefill servers, and servers has none; "
+                'allowed: a [router] with servers of role = "prefill", or no [router]'
+            )
+        if spec.router.name in names:
+            raise SpecError(
+                f"deployment spec: router.name={spec.router.name!r} is also a server's name; "
+                "allowed: a name no server has"
+            )
+        if spec.router.host not in spec.hosts:
+            raise SpecError(
+                f"deployment spec: router.host={spec.router.host!r} is not in [hosts]; "
+                f"allowed: {', '.join(sorted(spec.hosts))}"
+            )
+        if problem := _router_args_problem(spec.router.args):
+            raise SpecError(f"deployment spec: router.args: {problem}")
     for key in spec.afd:
         if key in DERIVED_AFD_KEYS:
             raise SpecError(
                 f"deployment spec: afd.{key} is set by the spec itself (from the servers "
                 f"and hosts); allowed in [afd]: the other afd config keys"
             )
-    for where, args in [
-        *((f"roles.{r}.args", d.args) for r, d in spec.roles.items()),
-        *((f"servers[{i}].args", s.args) for i, s in enumerate(spec.servers)),
+    for where, args, role in [
+        *((f"roles.{r}.args", d.args, r) for r, d in spec.roles.items()),
+        *((f"servers[{i}].args", s.args, s.role) for i, s in enumerate(spec.servers)),
     ]:
-        if problem := server_check.owned_flag_problem(args):
+        if problem := server_check.owned_flag_problem(args, prefill=role == "prefill"):
             raise SpecError(f"deployment spec: {where}: {problem}")
     used: dict[tuple[str, int], str] = {}
-    plans, next_rank = [], {"attention": 0, "ffn": 0}
+    plans, next_rank = [], {"attention": 0, "ffn": 0, "prefill": 0}
     for i, s in enumerate(spec.servers):
         where = f"servers[{i}] ({s.name})"
         placements = s.placements()
@@ -328,6 +381,27 @@ def check_spec(raw: dict) -> Deployment:
         plan = ServerPlan(s, next_rank[s.role], placements)
         next_rank[s.role] += plan.ranks
         plans.append(plan)
+        for k, p in enumerate(placements):  # NIXL's side channels (5600 + DP index)
+            address = spec.hosts[p.host].address
+            first = sum(q.ranks for q in placements[:k])
+            for port in nixl_side_channel_ports(spec, s, p, first):
+                if (address, port) in used:
+                    raise SpecError(
+                        f"deployment spec: {where} NIXL side channel port {port} on host "
+                        f"{p.host!r} ({address}) is taken by {used[(address, port)]}; allowed: "
+                        "another VLLM_NIXL_SIDE_CHANNEL_PORT in one server's env (each "
+                        "NIXL server listens on it + its data-parallel rank)"
+                    )
+                used[(address, port)] = f"{s.name} (NIXL side channel)"
+    if spec.router is not None:
+        address = spec.hosts[spec.router.host].address
+        if (address, spec.router.port) in used:
+            raise SpecError(
+                f"deployment spec: router.port={spec.router.port} on host "
+                f"{spec.router.host!r} ({address}) is taken by {used[(address, spec.router.port)]}"
+                "; allowed: a port no server uses on that address"
+            )
+        used[(address, spec.router.port)] = f"{spec.router.name} (router)"
     ffn0 = next(p for p in plans if p.spec.role == "ffn")
     rendezvous_host = ffn0.placements[0].host
     rendezvous = (spec.hosts[rendezvous_host].address, spec.rendezvous_port)
@@ -360,7 +434,7 @@ OWN_LOAD_S = 1800.0
 def connector_seconds(d: Deployment, key: str) -> float:
     """A bound of the deployment's connector (`connect_timeout_s`, `startup_timeout_s`,
     `timeout_s`) as its servers read it: the [afd] table's, else the connector's default."""
-    afd = parse_afd_config(afd_config(d, d.servers[0]), device_type=d.spec.platform)
+    afd = parse_afd_config(afd_config(d, d.afd_servers()[0]), device_type=d.spec.platform)
     return float(getattr(afd.extra(), key))
 
 
@@ -381,14 +455,23 @@ def _check_servers(d: Deployment) -> None:
     has_group = any(p.spec.role == "ffn" and p.spec.data_parallel_size > 1 for p in d.servers)
     if problem := server_check.deployment_problem(d.spec.afd, has_group):
         raise SpecError(f"deployment spec: [afd]: {problem}")
+    pd = any(p.spec.role == "prefill" for p in d.servers)
     for i, plan in enumerate(d.servers):
         s = plan.spec
         where = f"servers[{i}] ({s.name}, {s.role})"
+        args = [*d.spec.roles.get(s.role, RoleDefaults()).args, *s.args]
+        try:
+            kv = server_check.kv_transfer(args)
+        except ValueError as exc:
+            raise SpecError(f"deployment spec: {where}.args: {exc}") from None
+        if s.role == "prefill" or (pd and s.role == "attention"):
+            _check_kv_role(where, s.role, kv)
+        if s.role == "prefill":
+            continue  # an ordinary vLLM server: no afd config, vLLM's own checks
         try:
             afd = parse_afd_config(afd_config(d, plan), device_type=platform)
         except AFDConfigError as exc:
             raise SpecError(f"deployment spec: [afd] for {where}: {exc}") from None
-        args = [*d.spec.roles.get(s.role, RoleDefaults()).args, *s.args]
         try:
             flags = server_check.serve_flags(platform, _graph_flags(platform, args), args)
         except ValueError as exc:
@@ -398,6 +481,77 @@ def _check_servers(d: Deployment) -> None:
         )
         if problem:
             raise SpecError(f"deployment spec: {where} would stop at start-up: {problem}")
+
+
+# the KV roles each role of a P/D spec takes (vLLM's kv_role values)
+KV_ROLES = {"prefill": ("kv_producer", "kv_both"), "attention": ("kv_consumer", "kv_both")}
+
+
+def _check_kv_role(where: str, role: str, kv) -> None:
+    allowed = " or ".join(KV_ROLES[role])
+    why = (
+        "a prefill server hands the prompt's KV to the decode stage"
+        if role == "prefill"
+        else "with prefill servers in the spec, the attention servers load the prompt's KV"
+    )
+    if kv is None:
+        raise SpecError(
+            f"deployment spec: {where}.args has no --kv-transfer-config; {why}: allowed: "
+            f"--kv-transfer-config with kv_role {allowed} in servers[].args or "
+            f"roles.{role}.args (docs/pd.md)"
+        )
+    if kv.role not in KV_ROLES[role]:
+        raise SpecError(
+            f"deployment spec: {where}.args: --kv-transfer-config has kv_role={kv.role!r}; "
+            f"{why}: allowed: kv_role {allowed}"
+        )
+
+
+NIXL_CONNECTORS = ("NixlConnector",)
+NIXL_SIDE_CHANNEL_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default (envs.py)
+
+
+def server_env(spec: DeploymentSpec, s: ServerSpec, host: str) -> dict[str, str]:
+    """The env the spec gives a server's process on `host` (host, role, server)."""
+    role = spec.roles.get(s.role, RoleDefaults())
+    return {**spec.hosts[host].env, **role.env, **s.env}
+
+
+def nixl(spec: DeploymentSpec, s: ServerSpec) -> bool:
+    """Whether the server runs vLLM's NixlConnector (its args' --kv-transfer-config)."""
+    try:
+        kv = server_check.kv_transfer([*spec.roles.get(s.role, RoleDefaults()).args, *s.args])
+    except ValueError:
+        return False
+    return kv is not None and kv.connector in NIXL_CONNECTORS
+
+
+def nixl_side_channel_ports(spec: DeploymentSpec, s: ServerSpec, p: Placement, first: int):
+    """The ports a NixlConnector server's ranks on placement `p` listen on for NIXL's
+    handshake: VLLM_NIXL_SIDE_CHANNEL_PORT (its env, else vLLM's 5600) + each rank's
+    data-parallel index (vLLM 0.32: nixl/base_scheduler.py); none without NIXL."""
+    if not nixl(spec, s):
+        return []
+    base = server_env(spec, s, p.host).get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    base_port = int(base) if base and base.isdigit() else NIXL_SIDE_CHANNEL_PORT
+    return [base_port + first + r for r in range(p.ranks)]
+
+
+def _router_args_problem(args: list[str]) -> str | None:
+    """Router flags the spec writes itself, or flags `afd pd-router` does not take."""
+    owned = {"--prefill": "the prefill servers", "--decode": "the attention servers",
+             "--host": "router.host", "--port": "router.port"}  # fmt: skip
+    allowed = ("--prefill-timeout", "--connect-timeout", "--decode-read-timeout",
+               "--health-timeout")  # fmt: skip
+    for arg in args:
+        if not arg.startswith("-"):
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            return f"{flag} is set by the spec itself (from {owned[flag]})"
+        if flag not in allowed:
+            return f"{flag} is not an afd pd-router flag; allowed: {', '.join(allowed)}"
+    return None
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -412,7 +566,7 @@ class HostCommand:
     argv: list[str]
     env: dict[str, str]
     api_port: int | None  # where its /health answers (the head), None for a headless part
-    role: str
+    role: str  # attention, ffn, prefill, or "router" (afd pd-router)
     devices: int  # accelerators it drives: TP x its data-parallel ranks
 
     @property
@@ -464,11 +618,31 @@ def _api_server_flags(data_parallel_size: int, args: list[str]) -> list[str]:
     return ["--api-server-count", "1"] if data_parallel_size > 1 and not chosen else []
 
 
-def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
+ROLE_ORDER = {"ffn": 0, "attention": 1, "prefill": 2}
+PRINTED_ROUTER = ["afd", "pd-router"]
+
+
+def router_command(d: Deployment, router: list[str]) -> HostCommand | None:
+    """The spec's `afd pd-router` (None without [router]): the prefill servers and the
+    attention servers as its backends, listening on its host's address."""
+    r = d.spec.router
+    if r is None:
+        return None
+    prefill = [d.url(p) for p in d.servers if p.spec.role == "prefill"]
+    decode = [d.url(p) for p in d.servers if p.spec.role == "attention"]
+    argv = [*router, "--prefill", *prefill, "--decode", *decode]
+    argv += ["--host", d.spec.hosts[r.host].address, "--port", str(r.port), *r.args]
+    env = {**d.spec.hosts[r.host].env, **r.env}
+    return HostCommand(r.host, r.name, argv, env, r.port, "router", 0)
+
+
+def commands(d: Deployment, serve: list[str], router: list[str] | None = None) -> list[HostCommand]:
     """Every process of the deployment, FFN servers first (FFN rank 0 holds the
-    rendezvous). `serve`: how to run `vllm serve` here (e.g. ["vllm", "serve"])."""
+    rendezvous), then attention and prefill servers, and the router last. `serve`: how to
+    run `vllm serve` here (e.g. ["vllm", "serve"]); `router`: how to run `afd pd-router`
+    (default: PRINTED_ROUTER)."""
     out = []
-    order = sorted(d.servers, key=lambda p: p.spec.role != "ffn")
+    order = sorted(d.servers, key=lambda p: ROLE_ORDER[p.spec.role])
     for plan in order:
         s = plan.spec
         role = d.spec.roles.get(s.role, RoleDefaults())
@@ -478,9 +652,10 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
             base += ["--served-model-name", d.spec.served_model_name]
         if s.tensor_parallel_size > 1:
             base += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
-        base += _graph_flags(d.spec.platform, [*role.args, *s.args])
-        afd = json.dumps({"afd": afd_config(d, plan)}, separators=(",", ":"))
-        base += ["--additional-config", afd]
+        if s.role != "prefill":  # a prefill server is plain vLLM: its args choose
+            base += _graph_flags(d.spec.platform, [*role.args, *s.args])
+            afd = json.dumps({"afd": afd_config(d, plan)}, separators=(",", ":"))
+            base += ["--additional-config", afd]
         first = 0
         for k, p in enumerate(plan.placements):
             host = d.spec.hosts[p.host]
@@ -495,23 +670,25 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
                     ]  # fmt: skip
             if k == 0:
                 argv += ["--host", host.address, "--port", str(s.port)]
-                argv += _api_server_flags(s.data_parallel_size, [*role.args, *s.args])
+                if s.role != "prefill":  # AFD's metrics and /health need one API server
+                    argv += _api_server_flags(s.data_parallel_size, [*role.args, *s.args])
             else:
                 argv += ["--headless", "--data-parallel-start-rank", str(first)]
             first += p.ranks
             argv += [*role.args, *s.args]
             env = {"VLLM_HOST_IP": host.address}
             if host.interface:
-                env |= {
-                    "GLOO_SOCKET_IFNAME": host.interface,
-                    "AFD_CHANNEL_INTERFACE": host.interface,
-                }
+                env["GLOO_SOCKET_IFNAME"] = host.interface
+                if s.role != "prefill":
+                    env["AFD_CHANNEL_INTERFACE"] = host.interface
                 if d.spec.platform == "cuda":
                     env["NCCL_SOCKET_IFNAME"] = host.interface
             if d.spec.platform == "npu":
                 env["HCCL_IF_IP"] = host.address  # HCCL's host-side socket (CANN)
-            if d.spec.secret_file:
+            if d.spec.secret_file and s.role != "prefill":
                 env["AFD_DEPLOYMENT_SECRET_FILE"] = d.spec.secret_file
+            if nixl(d.spec, s):  # vLLM's default, localhost, is not reachable from peers
+                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host.address
             env |= {**host.env, **role.env, **s.env}
             visible = plan.devices[k] if plan.devices else None
             if visible is not None:
@@ -519,4 +696,5 @@ def commands(d: Deployment, serve: list[str]) -> list[HostCommand]:
             port = s.port if k == 0 else None
             count = s.tensor_parallel_size * p.ranks
             out.append(HostCommand(p.host, s.name, argv, env, port, s.role, count))
-    return out
+    r = router_command(d, PRINTED_ROUTER if router is None else router)
+    return out if r is None else [*out, r]
