@@ -136,7 +136,13 @@ def pd(checkpoints, log_dir, tmp_path_factory):
             assert n > 2 * BLOCK + 1 and (n - 1) % BLOCK, counts
         alone = [complete(reference.url, p, MAX_TOKENS) for p in PROMPTS]
         yield SimpleNamespace(
-            prefill=prefill, decode=d["attention"], ffn=d["ffn"], counts=counts, alone=alone
+            prefill=prefill,
+            decode=d["attention"],
+            ffn=d["ffn"],
+            counts=counts,
+            alone=alone,
+            model=model,
+            storage=storage,
         )
 
 
@@ -220,6 +226,82 @@ def test_through_the_router_the_tokens_are_colocated(pd, router):
     got = [complete(router.url, p, MAX_TOKENS) for p in PROMPTS]
     assert_colocated_tokens(pd.alone, got)
     assert_loaded_from_the_connector(pd, before, inject_before)
+
+
+def test_afd_launch_starts_the_router_of_a_pd_spec(pd, tmp_path):
+    """`afd launch SPEC --host r` of a P/D spec whose servers are this module's (host a,
+    127.0.0.1, already running) and whose router runs on host r (127.0.0.2): it starts the
+    router alone, reports it up once every backend is healthy, and serves the colocated
+    tokens through it; Ctrl-C stops it."""
+    import subprocess
+    import sys
+
+    router_port = free_port()
+    spec = {
+        "model": pd.model,
+        "platform": "cpu",
+        "rendezvous_port": pd.ffn.spec.afd["port"],
+        "hosts": {"a": {"address": "127.0.0.1"}, "r": {"address": "127.0.0.2"}},
+        "servers": [
+            {"name": "ffn0", "role": "ffn", "port": pd.ffn.spec.port, "hosts": "a"},
+            {
+                "name": "attention0",
+                "role": "attention",
+                "port": pd.decode.spec.port,
+                "hosts": "a",
+                "args": kv_config("kv_consumer", pd.storage),
+            },
+            {
+                "name": "prefill0",
+                "role": "prefill",
+                "port": pd.prefill.spec.port,
+                "hosts": "a",
+                "args": kv_config("kv_producer", pd.storage),
+            },
+        ],
+        "router": {"host": "r", "port": router_port},
+    }
+    path = tmp_path / "pd.toml"
+    path.write_text(toml(spec))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "afd_plugin.cli", "launch", str(path), "--host", "r",
+         "--log-dir", str(tmp_path / "logs"), "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("all up"):
+                break
+        assert lines and lines[-1].startswith("all up"), "".join(lines)
+        up = time.monotonic() - t0
+        assert f"router serves at http://127.0.0.2:{router_port}" in "".join(lines)
+        got = [complete(f"http://127.0.0.2:{router_port}", p, MAX_TOKENS) for p in PROMPTS]
+        assert_colocated_tokens(pd.alone, got)
+        print(f"afd launch --host r: the router up in {up:.1f} s")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(30)
+    assert rc == 130
+
+
+def toml(spec: dict) -> str:
+    """A deployment spec as TOML (strings, integers, lists, tables of them)."""
+
+    def value(v):
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v)
+
+    out = [f"{key} = {value(v)}" for key, v in spec.items() if key != "servers"]
+    for s in spec["servers"]:
+        out.append("[[servers]]")
+        out += [f"{k} = {value(x)}" for k, x in s.items()]
+    return "\n".join(out) + "\n"
 
 
 # -- failures (these end the deployment: last in the module) ---------------------------------
