@@ -79,15 +79,51 @@ def test_vllm_picks_v2_where_triton_has_a_cpu_backend_and_afd_keeps_its_choice(c
     }, without
 
 
-def test_the_mrv2_functions_afds_v2_runner_uses_are_vllms():
-    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+@pytest.fixture
+def cpu_runner_v2(monkeypatch):
+    """vLLM's CPU model runner V2, imported in this process: its module replaces
+    torch.cuda.set_stream with a no-op (vllm/v1/worker/cpu/shm.py), undone after the test."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "set_stream", torch.cuda.set_stream)
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    return CPUModelRunner
+
+
+def test_the_cpu_worker_makes_its_v2_runner_only_where_vllm_built_v2(cpu_runner_v2):
+    """AFD's CPU attention worker imports vLLM's CPU V2 module only once vLLM built that
+    runner (so a process on V1 keeps torch's set_stream); then it takes it."""
+    code = """
+import sys
+import afd_core.workers.cpu_worker
+print("vllm.v1.worker.cpu.model_runner" in sys.modules)
+"""
+    out = run_python(code)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from afd_core.workers.attention_runner import AFDAttentionRunnerMixin, AFDRunnerCommon
+    from afd_core.workers.attention_runner_v2 import AFDAttentionRunnerV2Mixin
+    from afd_core.workers.cpu_worker import AFDCPUAttentionWorker
+
+    worker = AFDCPUAttentionWorker.__new__(AFDCPUAttentionWorker)
+    v2 = worker.afd_runner_class(cpu_runner_v2)
+    assert v2.__mro__[1:3] == (AFDAttentionRunnerV2Mixin, AFDRunnerCommon), v2.__mro__
+    assert issubclass(v2, cpu_runner_v2) and worker.afd_runner_class(cpu_runner_v2) is v2
+    v1 = worker.afd_runner_class(CPUModelRunner)
+    assert v1.__mro__[1] is AFDAttentionRunnerMixin and issubclass(v1, CPUModelRunner)
+    assert worker.afd_runner_class(object) is None
+
+
+def test_the_mrv2_functions_afds_v2_runner_uses_are_vllms(cpu_runner_v2):
     from vllm.v1.worker.gpu import model_runner as mrv2
     from vllm.v1.worker.gpu.kv_connector import KVConnector
     from vllm.v1.worker.gpu.model_states.interface import ModelState
     from vllm.v1.worker.gpu.ubatch_utils import UBatchRunner, _slice_input_batch
 
     runner = mrv2.GPUModelRunner
-    assert issubclass(CPUModelRunnerV2, runner)
+    assert issubclass(cpu_runner_v2, runner)
     # the one call of execute_model that builds a step's attention metadata, per
     # micro-batch on the i-th metadata builder; vLLM's UBatchRunner slices the same way
     prepare = inspect.signature(ModelState.prepare_attn).parameters
@@ -111,11 +147,10 @@ def test_the_mrv2_functions_afds_v2_runner_uses_are_vllms():
     assert callable(mrv2.maybe_build_ubatch_runner)
 
 
-def test_the_ffn_worker_needs_only_what_both_runners_have():
+def test_the_ffn_worker_needs_only_what_both_runners_have(cpu_runner_v2):
     """The FFN side has no model runner of its own: its worker overrides every step,
     KV-cache and warm-up method of vLLM's worker and takes only `load_model` and
     `get_model` from whichever runner vLLM built (docs/architecture.md)."""
-    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from afd_core.workers.role_workers import FFNWorkerMixin
@@ -131,6 +166,6 @@ def test_the_ffn_worker_needs_only_what_both_runners_have():
         "sample_tokens",
     ):
         assert name in FFNWorkerMixin.__dict__, name
-    for runner in (CPUModelRunner, CPUModelRunnerV2):
+    for runner in (CPUModelRunner, cpu_runner_v2):
         for name in ("load_model", "get_model"):
             assert callable(getattr(runner, name)), (runner, name)

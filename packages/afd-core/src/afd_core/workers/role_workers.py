@@ -3,8 +3,9 @@
 A platform module (cpu_worker, cuda_worker) binds them to its vLLM worker and model runner:
 `class AFDCPUAttentionWorker(AttentionWorkerMixin, CPUWorker)`. The platform sets
 `afd_runner_classes`: for each model runner vLLM may build there (its V1 runner, its model
-runner V2), the same runner with AFD's attention-runner overrides; and may override the FFN
-thread's set-up and the FFN graph cache.
+runner V2), the same runner with AFD's attention-runner overrides (or overrides
+`afd_runner_class` to make one when it is needed); and may override the FFN thread's set-up
+and the FFN graph cache.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
     # on V1, AFDAttentionRunnerV2Mixin on model runner V2)
     afd_runner_classes: dict[type, type]
 
+    def afd_runner_class(self, built: type) -> type | None:
+        """AFD's runner for the runner vLLM built, or None if AFD has none for it."""
+        return self.afd_runner_classes.get(built)
+
     def afd_vllm_ubatching(self, num_microbatches: int) -> bool:
         """Whether vLLM's UBatchWrapper splits the steps (a platform with graphs: CUDA)
         rather than AFD's micro-batch executor."""
@@ -73,12 +78,12 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
                 self.parallel_config.ubatch_size = self.max_microbatches
         super().init_device()
         built = type(self.model_runner)
-        afd_runner = self.afd_runner_classes.get(built)
+        afd_runner = self.afd_runner_class(built)
         if afd_runner is None:
-            known = ", ".join(f"{c.__module__}.{c.__name__}" for c in self.afd_runner_classes)
             raise RuntimeError(
-                f"AFD attention worker: vLLM built {built.__module__}.{built.__name__}; AFD "
-                f"runs on {known}"
+                f"AFD attention worker: vLLM built {built.__module__}.{built.__name__}, a "
+                "model runner AFD has no attention runner for (AFD runs on vLLM's V1 and V2 "
+                "runners of the CPU and CUDA platforms and vLLM-Ascend's)"
             )
         # AFD's runner only overrides methods: make vLLM's runner one, in place
         self.model_runner.__class__ = afd_runner
