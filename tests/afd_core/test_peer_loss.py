@@ -31,7 +31,9 @@ LAYERS = 3
 STEPS = 8
 WAIT_S = 60.0  # bound on every wait for another process of the test
 FFN_TIMEOUT_S = 4.0  # a hung peer is dropped after this long
-ATTENTION_TIMEOUT_S = 20.0  # the other server's step waits while the FFN rank drops it
+# the other server's step waits while the FFN rank drops it (a test may set both to one
+# value, as a deployment's one timeout_s does)
+ATTENTION_TIMEOUT_S = float(os.environ.get("AFD_TEST_ATTENTION_TIMEOUT_S", "20"))
 
 
 def ffn(port, q):
@@ -242,6 +244,26 @@ def test_a_lost_attention_server_is_dropped_the_other_served_and_its_restart_rej
     assert out["again"]["outcome"] == [True] * STEPS
     assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
     print(f"rejoin after {die_at} took {out['again']['rejoin_s']:.2f} s")
+
+
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
+def test_with_one_timeout_for_both_roles_a_hung_server_costs_the_other_nothing(
+    connector, tmp_path, monkeypatch
+):
+    """Found by the nemesis tier (test_nemesis.py): a deployment has one timeout_s for all
+    its ranks. Server 1 hangs in the middle of a step; the FFN rank waits timeout_s for its
+    rows, drops it and answers server 0, whose step waited meanwhile. With the attention
+    side bounded by timeout_s too, server 0 gave up on its FFN rank at that same moment
+    (AFDFFNLostError, every later step refused until it returned); its waits are bounded
+    by twice timeout_s now (connectors/p2p.py ATTENTION_WAIT_FACTOR)."""
+    if connector == "nccl":
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    monkeypatch.setenv("AFD_TEST_ATTENTION_TIMEOUT_S", str(FFN_TIMEOUT_S))
+    out = _run(tmp_path, ("hang", 4, 1))
+    assert out[0]["wrong"] == 0 and out[0]["steps"] >= STEPS
+    assert FFN_TIMEOUT_S * 0.8 < out[0]["slowest"] < 2 * FFN_TIMEOUT_S, out[0]
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
 
 
 def test_after_a_goodbye_the_restart_rejoins_and_a_misfit_restart_is_refused_alone(tmp_path):

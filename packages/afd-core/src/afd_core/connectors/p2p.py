@@ -61,6 +61,11 @@ logger = get_logger(__name__)
 __all__ = ["Exchange", "PendingBatch", "PointToPointConnector", "data_tag"]
 
 
+# An attention rank's waits in a step, in units of timeout_s (the FFN rank's own bound on a
+# silent peer): see PointToPointConnector._bound_step
+ATTENTION_WAIT_FACTOR = 2
+
+
 class PointToPointConnector(
     StartupMembership,
     Rejoining,
@@ -192,12 +197,19 @@ class PointToPointConnector(
     def _bound_step(self, flags) -> None:
         """Bound this step's waits: a start-up step (STARTUP: the attention server's
         profiling run, compile warm-up and captures, whose first forward compiles) by
-        startup_timeout_s where it is longer, any other by timeout_s. The transport takes
-        the bound at each post, so it holds for every operation of the step."""
+        startup_timeout_s where it is longer, any other by timeout_s on the FFN side and
+        ATTENTION_WAIT_FACTOR x timeout_s on the attention side. The transport takes the
+        bound at each post, so it holds for every operation of the step."""
         extra = self.config.extra()
         startup = bool(flags & ControlFlag.STARTUP)
-        bound = max(extra.startup_timeout_s, extra.timeout_s) if startup else extra.timeout_s
-        self._transport.timeout_s = bound
+        bound = extra.timeout_s
+        if self.config.is_attention:
+            # the FFN rank waits up to timeout_s for a silent peer of the same step before
+            # it drops it and answers the others: with one bound on both sides, every
+            # other attention rank would give up on the FFN rank at that same moment (the
+            # nemesis tier's partition of one attention host lost all of them)
+            bound *= ATTENTION_WAIT_FACTOR
+        self._transport.timeout_s = max(extra.startup_timeout_s, bound) if startup else bound
 
     def check_tensor(self, tensor) -> None:
         return None
