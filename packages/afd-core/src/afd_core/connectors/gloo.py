@@ -66,6 +66,14 @@ class GlooTransport(MemberLinks, StoreTransport):
         )
         return Link(ctrl, data, 1 - me)
 
+    def _forget_link_keys(self, member: int, incarnation: int) -> None:
+        # gloo's lazily connected pairs meet at "<group prefix>/<rank>/<peer>" (measured
+        # with torch 2.13's ProcessGroupGloo; a key not there is skipped)
+        prefix = f"{self._prefix}/link{member}/{incarnation}"
+        for channel in ("ctrl", "data"):
+            for a, b in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                self.store_delete(f"{prefix}/{channel}/{a}/{b}")
+
     def _check_link(self, peer: int, link=None) -> None:
         """Connect both pairs of a link now, while its other side does the same
         (`_connect_pair`: left to the first step, a listener would wait for it)."""

@@ -69,7 +69,13 @@ class MemberLinks:
         except TransportError:
             self._abort_link(link)
             raise
+        finally:
+            self._forget_link_keys(member, incarnation)
         return link
+
+    def _forget_link_keys(self, member: int, incarnation: int) -> None:
+        """The store keys a link's pairs met through, once they connected (or gave up):
+        each restart makes a fresh link, and the store must not grow with them."""
 
     def install_link(self, member: int, link) -> None:
         """FFN rank, between two steps: `link` replaces the member's failed one."""

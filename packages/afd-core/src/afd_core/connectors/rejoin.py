@@ -139,14 +139,18 @@ class Rejoining:
                 theirs = None
             problems = _malformed_hello(theirs) or self._hello_problems(i, theirs, self._hello())
             verdict = "; ".join(problems) if problems else "ok"
+            t.store_delete(hello_key)
         key = f"afd/g{self.group}/verdict/{member}/{request.incarnation}"
         t.store_set(key, verdict.encode())
+        # the member's previous process read its verdict long ago, or went without it
+        t.store_delete(f"afd/g{self.group}/verdict/{member}/{request.incarnation - 1}")
         if verdict != "ok":
             return None
         link = None
         if t.links_connect_off_serving_thread:
             try:  # the restarted process connects its side as soon as it reads the verdict
                 link = t.prepare_link(member, request.incarnation)
+                t.store_delete(key)  # connected: it read the verdict
             except TransportError as exc:
                 logger.warning(
                     "AFD %s: attention rank %d did not rejoin: %s", self._me(), peer, exc
@@ -242,6 +246,8 @@ class RejoinWatch:
                     except Exception:  # noqa: BLE001 - one bad request must not stop the watch
                         logger.exception("AFD group %d: rejoin request %d failed", g, number)
                         continue
+                    finally:
+                        t.store_delete(f"afd/g{g}/rejoin/{number}")  # read and answered
                     if ready is not None:
                         self._inbox.put(member - 1, ready)
         except Exception:  # noqa: BLE001 - the store went with FFN rank 0: nobody can rejoin

@@ -408,6 +408,12 @@ class StoreTransport(Transport):
     def store_try_get(self, key: str) -> bytes | None:
         return self._store.get(key) if self._store.check([key]) else None
 
+    def store_delete(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except Exception:  # noqa: BLE001 - the store may be gone; a leftover key is harmless
+            logger.debug("AFD: store key %r not deleted", key, exc_info=True)
+
     def _handle(self, post, what: str, bound_s: float | None = None) -> Handle:
         """A posted gloo operation, whose wait lasts at most the step timeout (`bound_s`:
         that long). Posting may connect the pair first (`gloo_group`)."""

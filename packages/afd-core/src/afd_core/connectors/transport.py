@@ -79,6 +79,11 @@ class Transport(ABC):
     def store_try_get(self, key: str) -> bytes | None:
         """The value of `key`, or None if it is not set; never waits."""
 
+    def store_delete(self, key: str) -> None:
+        """Remove `key` from the store if it is there (a rejoin's keys once it is done: a
+        long-running deployment's store must not grow with every restart); never raises."""
+        return None
+
     @abstractmethod
     def barrier(
         self,
