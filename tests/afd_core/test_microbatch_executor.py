@@ -256,9 +256,10 @@ def test_a_slow_step_that_keeps_yielding_is_not_stalled():
 
 
 def test_a_stalled_step_stops_the_attention_rank_naming_the_micro_batch():
-    """The step driver bounds the wait by the connector's step timeout, and a stall is
-    fatal (AFDPeerError): the stuck thread may still issue this step's exchanges, so the
-    step cannot be finished in protocol."""
+    """The step driver bounds the wait by the connector's step timeout (times
+    ATTENTION_WAIT_FACTOR + 1: an exchange may wait ATTENTION_WAIT_FACTOR of them), and a
+    stall is fatal (AFDPeerError): the stuck thread may still issue this step's exchanges,
+    so the step cannot be finished in protocol."""
     from types import SimpleNamespace
 
     from afd_core.connectors.base import AFDPeerError
@@ -274,7 +275,7 @@ def test_a_stalled_step_stops_the_attention_rank_naming_the_micro_batch():
     )
     release = threading.Event()
     driver = AttentionStepDriver(conn)
-    with pytest.raises(AFDPeerError, match=r"attention rank 3: step 7: micro-batch 0 .*0.3 s"):
+    with pytest.raises(AFDPeerError, match=r"attention rank 3: step 7: micro-batch 0 .*0.9 s"):
         driver.run((1, 1), [lambda: release.wait(30), lambda: 1])
     assert calls == ["begin"]  # neither ended nor aborted in protocol
     release.set()

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from afd_core.connectors.status import StepStatus
 
 
+# An attention rank's waits in a step, in units of timeout_s, the FFN rank's own bound on a
+# silent peer: the FFN rank may wait that long for a silent peer of a step before it drops
+# it and answers the others (PointToPointConnector._bound_step, step/attention.py)
+ATTENTION_WAIT_FACTOR = 2
+
+
 class AFDPeerError(RuntimeError):
     """A peer that is dead, late, or disagrees with this rank; names the peer and the wait.
     The deployment cannot go on: both sides stop."""

@@ -31,6 +31,7 @@ from abc import abstractmethod
 
 from afd_core.connectors.attention_side import AttentionSide, Exchange, _AttentionStep
 from afd_core.connectors.base import (
+    ATTENTION_WAIT_FACTOR,
     AFDConnector,
     AFDPeerError,
     StepPlan,
@@ -59,11 +60,6 @@ from afd_core.trace import trace_for
 logger = get_logger(__name__)
 
 __all__ = ["Exchange", "PendingBatch", "PointToPointConnector", "data_tag"]
-
-
-# An attention rank's waits in a step, in units of timeout_s (the FFN rank's own bound on a
-# silent peer): see PointToPointConnector._bound_step
-ATTENTION_WAIT_FACTOR = 2
 
 
 class PointToPointConnector(

@@ -20,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from afd_core.connectors.base import AFDConnector, AFDPeerError, AFDStepError
+from afd_core.connectors.base import (
+    ATTENTION_WAIT_FACTOR,
+    AFDConnector,
+    AFDPeerError,
+    AFDStepError,
+)
 from afd_core.connectors.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.microbatch import MicrobatchExecutor, MicrobatchStalled
@@ -38,9 +43,12 @@ class AttentionStepDriver:
         self.connector = connector
         self.executor = executor or MicrobatchExecutor()
         self.trace = trace_for("attention", connector.role_rank)
-        # a step whose micro-batches stop making progress (every exchange is bounded by
-        # the step timeout; a micro-batch's own compute between two is not) fails after it
-        self.stall_timeout_s = _step_timeout_s(connector)
+        # a step whose micro-batches stop making progress fails after this: every exchange
+        # of an attention rank ends (with its data or its error) within
+        # ATTENTION_WAIT_FACTOR x timeout_s (connectors/p2p.py), a micro-batch's own compute
+        # between two is not bounded; one step timeout more tells them apart
+        step_s = _step_timeout_s(connector)
+        self.stall_timeout_s = None if step_s is None else (ATTENTION_WAIT_FACTOR + 1) * step_s
         self.startup_timeout_s = _step_timeout_s(connector, "startup_timeout_s")
         if self.startup_timeout_s is not None and self.stall_timeout_s is not None:
             self.startup_timeout_s = max(self.startup_timeout_s, self.stall_timeout_s)
