@@ -80,6 +80,8 @@ def make(
     }
     if os.environ.get("AFD_TEST_LIVENESS_S"):
         extra["liveness_timeout_s"] = float(os.environ["AFD_TEST_LIVENESS_S"])
+    if os.environ.get("AFD_TEST_RECOVERY_GRACE_S"):
+        extra["recovery_grace_s"] = float(os.environ["AFD_TEST_RECOVERY_GRACE_S"])
     cfg = parse_afd_config(
         {
             "connector": device_connector if device_type != "cpu" else "gloo",

@@ -9,7 +9,9 @@ A thread (`FFNReturnWatch`) waits meanwhile for an FFN rank to serve this rank a
 
 * a restarted FFN server holding FFN rank 0 opens a fresh store at the same host:port. The
   rank joins that deployment's start-up (membership.py), as every surviving attention
-  server does; the FFN server's roll call waits for all of them;
+  server does, and says it returns: the FFN server's roll call then waits at most
+  recovery_grace_s for the ranks not back yet and forms without them (formation.py);
+  they join later as restarted ranks;
 * the same FFN process still runs (it dropped this rank after a hang or a network fault):
   the store says the deployment formed, and the rank rejoins as a restarted attention rank
   does (rejoin.py).
@@ -33,6 +35,7 @@ import threading
 import time
 
 from afd_core.connectors.base import AFDFFNLostError, AFDPeerError
+from afd_core.connectors.formation import REFORMING_KEY
 from afd_core.connectors.membership import FORMED_KEY
 from afd_core.connectors.rendezvous import _listening
 from afd_core.connectors.transport import TransportError
@@ -120,14 +123,18 @@ class AwaitingFFN:
         if not _listening(self.config.host, self.config.port):
             return False
         transport = self.make_transport(self.group, self.group_rank, self.group_size)
-        deadline = time.monotonic() + self.config.extra().connect_timeout_s
+        extra = self.config.extra()
+        deadline = time.monotonic() + extra.connect_timeout_s
         try:
             transport.open_store()
             if transport.store_try_get(FORMED_KEY) is not None:
                 self._rejoin(transport, deadline)  # the same deployment still runs
             else:
+                # a restarted FFN rank 0's: it forms with the ranks present after
+                # recovery_grace_s from now (formation.py), so this rank waits that too
+                transport.store_set(REFORMING_KEY, b"1")
                 try:
-                    self._connect(transport, deadline)  # a restarted FFN rank 0's
+                    self._connect(transport, deadline + extra.recovery_grace_s)
                 except AFDPeerError:
                     self._leave_failed_start_up(transport)
                     raise

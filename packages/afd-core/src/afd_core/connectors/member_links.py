@@ -53,7 +53,8 @@ class MemberLinks:
         self._prefix = prefix
         if self.group_rank == 0:
             self._links = {}
-            for m in range(1, self.group_size):  # every member connects its link now
+            members = self.group_members or range(self.group_size)
+            for m in (m for m in members if m != 0):  # every member connects its link now
                 self._links[m] = self._link(m, 0)
                 self._check_link(m)
         else:

@@ -18,6 +18,7 @@ from afd_core.connectors.base import (
     AFDPeerError,
 )
 from afd_core.connectors.control import VERSION as CONTROL_VERSION
+from afd_core.connectors.formation import Members, absent_ranks, await_members, take_seat
 from afd_core.connectors.transport import Transport, TransportError
 from afd_core.log import get_logger
 
@@ -27,7 +28,6 @@ FAILED_KEY = "afd/failed"  # the store key holding why start-up failed, for ever
 FAILED_SEEN_KEY = "afd/failed/seen"  # ranks that left a failed start-up
 TIMED_OUT_KEY = "afd/failed/timed-out"  # set when start-up failed because ranks never came
 CLAIMS_KEY = "afd/claims"  # ranks that claimed a place (duplicates included)
-ROLL_CALL_KEY = "afd/roll-call"  # ranks whose claim and deployment shape were accepted
 FORMED_KEY = "afd/formed"  # set once every rank of the deployment connected
 FAILED_GRACE_S = 10.0  # at most this long the rank holding the store waits for them
 
@@ -62,7 +62,11 @@ class StartupMembership:
                 raise
         self._formed = True
         self._start_heartbeat()
-        self.metrics.set_peers(self._metric_peers(), True)
+        if self.config.is_ffn:  # a peer absent from the formation is down until it rejoins
+            for peer, up in zip(self.peers, self._active_peers, strict=True):
+                self.metrics.set_peers([peer], up)
+        else:
+            self.metrics.set_peers(self._metric_peers(), True)
         self.metrics.publish(now=True)
         if self.config.is_ffn and self.fixed_receive_buffers:
             self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
@@ -100,20 +104,34 @@ class StartupMembership:
 
     def _connect(self, transport: Transport, deadline: float) -> None:
         """`deadline`: until when the roll call waits for the deployment's other ranks
-        (their servers may still be loading); connecting after it, connect_timeout_s."""
+        (their servers may still be loading); connecting after it, connect_timeout_s. After
+        an FFN loss the deployment may form without some ranks (formation.py): this rank,
+        if it is one of them, joins the formed deployment as a restarted one does."""
         extra = self.config.extra()
+        role = self.config.role
         self._roll_call(transport, extra.connect_timeout_s)
         try:
             # No group connects before every rank of the deployment has claimed its place
-            # and checked its shape: a rank inside gloo's connect cannot see a failure
-            # recorded meanwhile, and would only find the store gone when FFN rank 0 stops.
-            transport.barrier(
-                ROLL_CALL_KEY,
-                self.topology.world_size,
-                deadline - time.monotonic(),
-                fail_key=FAILED_KEY,
-                progress=lambda waited: self._say_waiting(transport, waited, deadline),
-            )
+            # and checked its shape (or FFN rank 0 decided to form without the absent ones):
+            # a rank inside gloo's connect cannot see a failure recorded meanwhile, and
+            # would only find the store gone when FFN rank 0 stops.
+            members = None
+            if take_seat(transport, role, self.role_rank):
+                members = await_members(
+                    transport,
+                    self.topology,
+                    decides=transport.hosts_store,
+                    grace_s=extra.recovery_grace_s,
+                    deadline=deadline,
+                    fail_key=FAILED_KEY,
+                    progress=lambda waited: self._say_waiting(transport, waited, deadline),
+                    me=self._me(),
+                )
+            if members is None or not members.has(role, self.role_rank):
+                transport.store_add(claim_key(role, self.role_rank), -1)
+                self._join_formed(transport)
+                return
+            self._take_members(transport, members)
             transport.join_group(fail_key=FAILED_KEY)
         except TransportError as exc:
             raise self._start_up_error(transport, exc) from None
@@ -124,7 +142,7 @@ class StartupMembership:
         try:
             transport.barrier(
                 "afd/ready",
-                self.topology.world_size,
+                members.size,
                 extra.connect_timeout_s,  # every rank is here: they only connect
                 fail_key=FAILED_KEY,
             )
@@ -141,6 +159,43 @@ class StartupMembership:
             self.peers,
             self.wire,
         )
+
+    def _take_members(self, transport: Transport, members: Members) -> None:
+        """This group's members of a formation (all of them unless FFN rank 0 formed
+        without some): an absent peer is not served until it rejoins (rejoin.py)."""
+        present = [i for i, peer in enumerate(self.peers) if members.has("attention", peer)]
+        transport.group_members = [0] + [i + 1 for i in present]
+        if members.partial and transport.hosts_store:
+            logger.warning(
+                "AFD %s: the deployment forms again without %s (not back within "
+                "recovery_grace_s); each joins when its server comes back",
+                self._me(),
+                ", ".join(absent_ranks(members, self.topology)),
+            )
+        if self.config.is_ffn:
+            for i in range(len(self.peers)):
+                self._active_peers[i] = i in present
+
+    def _join_formed(self, transport: Transport) -> None:
+        """A rank the formation went without (it came after FFN rank 0 decided): it joins
+        the formed deployment as a restarted rank does (rejoin.py)."""
+        extra = self.config.extra()
+        deadline = time.monotonic() + extra.connect_timeout_s
+        logger.info(
+            "AFD %s: the deployment formed without this rank; it joins as a restarted one",
+            self._me(),
+        )
+        while transport.store_try_get(FORMED_KEY) is None:
+            if (reason := transport.store_try_get(FAILED_KEY)) is not None:
+                raise AFDPeerError(f"{reason.decode()} (seen by {self._me()})")
+            if time.monotonic() > deadline:
+                raise AFDPeerError(
+                    f"{self._me()}: the deployment at {self.config.host}:{self.config.port} "
+                    f"formed without this rank and did not finish within "
+                    f"{extra.connect_timeout_s:.0f}s (connect_timeout_s)"
+                )
+            time.sleep(0.1)
+        self._rejoin(transport, time.monotonic() + extra.connect_timeout_s)
 
     # -- start-up checks over the whole deployment -------------------------------------------
     def _deployment_shape(self) -> dict:
@@ -297,6 +352,8 @@ class StartupMembership:
         if self.config.is_ffn:
             problems = []
             for i, peer in enumerate(self.peers, start=1):
+                if not self._active_peers[i - 1]:
+                    continue  # absent from this formation: checked when it rejoins
                 try:
                     theirs = json.loads(t.store_get(f"afd/g{self.group}/hello/{i}", timeout_s))
                 except TransportError:

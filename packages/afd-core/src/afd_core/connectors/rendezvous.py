@@ -71,6 +71,9 @@ class StoreTransport(Transport):
         self._deadline = None
         self._door = None
         self._channel: tuple[str, str] | None = None  # where the channels bind, chosen once
+        # the group ranks that connect at start-up: every member, unless the deployment
+        # formed without some after an FFN loss (formation.py); the others join later
+        self.group_members: list[int] | None = None
 
     def open_store(self) -> None:
         import torch.distributed as dist
@@ -238,9 +241,8 @@ class StoreTransport(Transport):
         prefix = f"afd/g{self.group}"
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
-        self.barrier(
-            f"{prefix}/arrived", self.group_size, self._deadline - time.monotonic(), fail_key
-        )
+        arriving = len(self.group_members) if self.group_members else self.group_size
+        self.barrier(f"{prefix}/arrived", arriving, self._deadline - time.monotonic(), fail_key)
         # a member that saw the failure while the others arrived will not connect
         if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
             raise TransportError(reason.decode())
