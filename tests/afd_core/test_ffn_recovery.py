@@ -89,7 +89,7 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
         t0 = time.monotonic()
         conn.init()
         init_s = time.monotonic() - t0
-        outcomes, back_at, lost_count = [], [], 0
+        outcomes, back_at, lost_at, lost_count = [], [], [], 0
         deadline = time.monotonic() + WAIT_S
         (marks / f"up-{name}").touch()
         while True:
@@ -99,12 +99,11 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
                 break
             if incarnation > 0 and outcomes[-SERVED_AGAIN:] == ["ok"] * SERVED_AGAIN:
                 break
-            if (
-                plan == "recover"
-                and lost_count == losses
-                and outcomes[-SERVED_AGAIN:] == ["ok"] * SERVED_AGAIN
-            ):
-                break
+            served = outcomes[-SERVED_AGAIN:] == ["ok"] * SERVED_AGAIN
+            if plan == "recover" and lost_count == losses and served:
+                (marks / f"done-{name}").touch()
+                if (marks / "stop").exists():
+                    break
             try:
                 ok = checked_step(conn, rank, len(outcomes), LAYERS)
                 if outcomes and outcomes[-1] == "lost":
@@ -116,6 +115,7 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
             except AFDFFNLostError:
                 if not outcomes or outcomes[-1] != "lost":
                     lost_count += 1
+                    lost_at.append(time.time())
                     (marks / f"lost-{name}-{lost_count}").touch()
                 outcomes.append("lost")
                 if plan == "die-with-ffn":
@@ -125,7 +125,12 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
                 raise AssertionError(f"{name}: a step failed while the other FFN rank was lost")
             time.sleep(0.05)
         conn.close()
-        q.put((name, {"outcomes": outcomes, "back_at": back_at, "init_s": init_s}))
+        q.put(
+            (
+                name,
+                {"outcomes": outcomes, "back_at": back_at, "init_s": init_s, "lost_at": lost_at},
+            )
+        )
     except Exception:
         q.put((name, "ERROR " + traceback.format_exc()))
 
@@ -158,6 +163,7 @@ def test_an_attention_server_that_stays_dead_does_not_block_the_ffn_servers_reco
         ("stepped-att0-0", "crash-ffn0-0"),  # both up: the FFN crashes in the next step
         ("gone-att1-0", "restart-ffn0-1"),  # attention server 1 died too: FFN restarts
         ("back-att0-0-1", "restart-att1"),  # server 0 served again: server 1 restarts
+        ("done-att0-0", "stop"),
     ]
     targets = [
         (ffn, 0, 2, 1, port, tmp_path, 0),
@@ -181,3 +187,49 @@ def test_an_attention_server_that_stays_dead_does_not_block_the_ffn_servers_reco
     assert _collapse(again["outcomes"]) == ["ok"], again
     assert out["ffn0-1"]["rejoined"] == [1], out["ffn0-1"]
     print(f"attention 1's restart was served after an init of {again['init_s']:.1f} s")
+
+
+def test_two_ffn_servers_restarting_only_the_failed_one_reforms_the_deployment(
+    tmp_path, monkeypatch
+):
+    """2A2F (FFN rank k serves attention rank k): FFN server 0, which holds the store,
+    crashes and is restarted alone: attention server 0 is served again while FFN server 1
+    and attention server 1 are served throughout without a failed step; then FFN server 1
+    crashes and is restarted alone (the store lives on): attention server 1 is served
+    again, attention server 0 throughout."""
+    monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
+    for rank in (0, 1):
+        (tmp_path / f"losses-att{rank}").write_text("1")
+    port = free_port()
+    script = [
+        ("stepped-att0-0", "crash-ffn0-0"),
+        ("gone-ffn0-0", "restart-ffn0-1"),
+        ("done-att0-0", "crash-ffn1-0"),  # FFN 0 is back: now FFN 1 fails
+        ("gone-ffn1-0", "restart-ffn1-1"),
+        ("done-att1-0", "stop"),
+    ]
+    targets = [
+        (ffn, 0, 2, 2, port, tmp_path, 0),
+        (ffn, 1, 2, 2, port, tmp_path, 0),
+        (ffn, 0, 2, 2, port, tmp_path, 1),
+        (ffn, 1, 2, 2, port, tmp_path, 1),
+        (attention, 0, 2, 2, port, tmp_path, "recover", 0),
+        (attention, 1, 2, 2, port, tmp_path, "recover", 0),
+        (conductor, tmp_path, script),
+    ]
+    out = run_processes(targets, timeout=200, expect=5)  # both first FFN processes crash
+    assert_no_errors(out)
+    att0, att1 = out["att0-0"], out["att1-0"]
+    for got in (att0, att1):
+        assert _collapse(got["outcomes"]) == ["ok", "lost", "ok"], got
+    # each lost only its own FFN server, and not while the other one was lost
+    assert att1["lost_at"][0] > att0["back_at"][0], (att0, att1)
+    restarted0 = float((tmp_path / "restarted-ffn0-1").read_text())
+    restarted1 = float((tmp_path / "restarted-ffn1-1").read_text())
+    first = att0["back_at"][0] - restarted0
+    second = att1["back_at"][0] - restarted1
+    print(
+        f"FFN 0 restarted: attention 0 served again after {first:.1f} s; "
+        f"FFN 1 restarted: attention 1 served again after {second:.1f} s"
+    )
+    assert first < GRACE_S + 8 and second < GRACE_S + 8, (first, second)

@@ -22,6 +22,7 @@ from afd_core.connectors.control import (
     Expectation,
     decode,
 )
+from afd_core.connectors.group_epoch import StopServing
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.order import FFNOrder
 from afd_core.connectors.rejoin import RejoinReady, RejoinWatch
@@ -56,14 +57,7 @@ class FFNStepAssembly:
             )
             self._inbox.start()
             if self.survives_peer_loss:
-                self._rejoin_watch = RejoinWatch(
-                    self._transport,
-                    self.group,
-                    len(self.peers),
-                    self._inbox,
-                    self._me(),
-                    prepare=self._prepare_rejoin,
-                )
+                self._rejoin_watch = RejoinWatch(self, self._inbox, self._me())
                 self._rejoin_watch.start()
         while True:
             arrived = self._gather_control()
@@ -141,6 +135,8 @@ class FFNStepAssembly:
         if isinstance(payload, RejoinReady):
             self._admit(i, payload)
             return
+        if isinstance(payload, StopServing):  # group_epoch.py: this rank must stop
+            raise AFDPeerError(payload.reason)
         if not self._active_peers[i]:
             return  # a peer that left: its listener's last receive failed
         peer = self.peers[i]

@@ -18,9 +18,9 @@ A thread (`FFNReturnWatch`) waits meanwhile for an FFN rank to serve this rank a
 
 Either way the rank's steps count from 0 again on a fresh link. `retry_ffn_now` (vLLM's
 `POST /fault_tolerance/apply` with `retry`, afd_core/fault_tolerance.py) cuts the wait
-before the next attempt short. A restarted FFN rank other
-than 0, while FFN rank 0 runs, cannot come back (rejoin.py refuses it): the ranks it served
-fail their steps until the whole FFN side is restarted.
+before the next attempt short. A restarted FFN rank k > 0, while FFN rank 0 runs, forms
+its group again under a new epoch (group_epoch.py): the rank sees the epoch change and
+joins that.
 
 The loss stays fatal (AFDPeerError, the server stops) before the deployment formed, and
 where the attention role sets `ffn_loss_fatal`: on an attention server with tensor
@@ -128,7 +128,11 @@ class AwaitingFFN:
         try:
             transport.open_store()
             if transport.store_try_get(FORMED_KEY) is not None:
-                self._rejoin(transport, deadline)  # the same deployment still runs
+                epoch = self._store_epoch(transport)
+                if epoch != self._group_epoch:  # a restarted FFN rank k > 0 forms its group
+                    self._join_group_epoch(transport, epoch, deadline + extra.recovery_grace_s)
+                else:
+                    self._rejoin(transport, deadline)  # the same deployment still runs
             else:
                 # a restarted FFN rank 0's: it forms with the ranks present after
                 # recovery_grace_s from now (formation.py), so this rank waits that too

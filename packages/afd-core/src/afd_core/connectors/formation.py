@@ -148,11 +148,20 @@ def await_members(
         time.sleep(0.05)
 
 
-def absent_ranks(members: Members, topology) -> list[str]:
-    """For the log: the ranks a partial formation goes without."""
-    out = [f"FFN rank {k}" for k in range(topology.num_ffn_ranks) if k not in members.ffn]
+def absent_ranks(transport: Transport, members: Members, topology) -> list[str]:
+    """For the log: the ranks a partial formation goes without, and why."""
+
+    def why(role: str, rank: int) -> str:
+        kept = (transport.store_add(seat_key(role, rank), 0) % SEAT_CLOSED) >= SEAT_KEPT
+        return "still served in the old deployment" if kept else "not back within the grace"
+
+    out = [
+        f"FFN rank {k} ({why('ffn', k)})"
+        for k in range(topology.num_ffn_ranks)
+        if k not in members.ffn
+    ]
     out += [
-        f"attention rank {j}"
+        f"attention rank {j} ({why('attention', j)})"
         for j in range(topology.num_attention_ranks)
         if j not in members.attention
     ]

@@ -34,7 +34,6 @@ class MemberLinks:
 
     def _init_links(self) -> None:
         self._links: dict = {}  # group rank -> its link (per_member_links)
-        self._prefix = f"afd/g{self.group}"
 
     @abstractmethod
     def _link(self, member: int, incarnation: int):
@@ -49,8 +48,11 @@ class MemberLinks:
     def _abort_link(self, link) -> None:
         """Stop everything of the link's (pending operations end with an error)."""
 
+    @property
+    def _prefix(self) -> str:
+        return self.group_prefix
+
     def _connect_member_links(self, prefix: str) -> None:
-        self._prefix = prefix
         if self.group_rank == 0:
             self._links = {}
             members = self.group_members or range(self.group_size)

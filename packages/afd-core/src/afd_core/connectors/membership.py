@@ -167,10 +167,10 @@ class StartupMembership:
         transport.group_members = [0] + [i + 1 for i in present]
         if members.partial and transport.hosts_store:
             logger.warning(
-                "AFD %s: the deployment forms again without %s (not back within "
-                "recovery_grace_s); each joins when its server comes back",
+                "AFD %s: the deployment forms again without %s; an attention rank joins "
+                "when its server comes back (recovery_grace_s: the wait for the others)",
                 self._me(),
-                ", ".join(absent_ranks(members, self.topology)),
+                ", ".join(absent_ranks(transport, members, self.topology)),
             )
         if self.config.is_ffn:
             for i in range(len(self.peers)):
@@ -217,9 +217,11 @@ class StartupMembership:
         }
 
     def _fail_deployment(self, transport: Transport, reason: str) -> AFDPeerError:
-        """Record why start-up failed, so every other rank stops at once with the reason."""
+        """Record why start-up failed, so every other rank stops at once with the reason
+        (never after the deployment formed: a group forming again fails alone)."""
         try:
-            transport.store_set(FAILED_KEY, reason.encode())
+            if transport.store_try_get(FORMED_KEY) is None:
+                transport.store_set(FAILED_KEY, reason.encode())
         except Exception:  # noqa: BLE001 - the reason is still raised here
             logger.debug("AFD %s: could not record the start-up failure", self._me())
         return AFDPeerError(reason)
@@ -345,17 +347,18 @@ class StartupMembership:
 
     def _handshake(self, timeout_s: float) -> None:
         t = self._transport
-        key = f"afd/g{self.group}/hello/{self.group_rank}"
+        gp = self._group_prefix()
+        key = f"{gp}/hello/{self.group_rank}"
         mine = self._hello()
         t.store_set(key, json.dumps(mine).encode())
-        verdict_key = f"afd/g{self.group}/verdict"
+        verdict_key = f"{gp}/verdict"
         if self.config.is_ffn:
             problems = []
             for i, peer in enumerate(self.peers, start=1):
                 if not self._active_peers[i - 1]:
                     continue  # absent from this formation: checked when it rejoins
                 try:
-                    theirs = json.loads(t.store_get(f"afd/g{self.group}/hello/{i}", timeout_s))
+                    theirs = json.loads(t.store_get(f"{gp}/hello/{i}", timeout_s))
                 except TransportError:
                     problems.append(f"attention rank {peer} did not join within {timeout_s:.0f}s")
                     continue

@@ -45,6 +45,7 @@ from afd_core.connectors.data_tags import data_tag
 from afd_core.connectors.ffn_assembly import FFNStepAssembly
 from afd_core.connectors.ffn_return import AwaitingFFN, FFNReturnWatch
 from afd_core.connectors.ffn_side import FFNDataPath, PendingBatch
+from afd_core.connectors.group_epoch import GroupEpochs
 from afd_core.connectors.heartbeat import Heartbeat
 from afd_core.connectors.inbox import ControlInbox
 from afd_core.connectors.membership import StartupMembership
@@ -65,6 +66,7 @@ __all__ = ["Exchange", "PendingBatch", "PointToPointConnector", "data_tag"]
 class PointToPointConnector(
     StartupMembership,
     Rejoining,
+    GroupEpochs,
     AttentionSide,
     AwaitingFFN,
     FFNStepAssembly,

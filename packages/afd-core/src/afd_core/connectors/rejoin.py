@@ -17,9 +17,9 @@ written to `afd/failed` after the deployment formed.
 
 Only a transport whose links fail alone can take a rejoining peer (`survives_peer_loss`):
 gloo's, and the device transports' (NCCL, HCCL), whose AFD groups have a communicator pair
-per attention member (member_links.py). A restarted FFN rank other than 0 is refused (its
-attention peers are served by no one until the FFN side restarts); FFN rank 0 holds the
-store, so its restart is a new deployment.
+per attention member (member_links.py). A restarted FFN rank k > 0 forms its group again
+under a new epoch (group_epoch.py); FFN rank 0 holds the store, so its restart forms the
+deployment again with the ranks present (formation.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd_core.connectors.base import AFDPeerError
@@ -65,11 +64,9 @@ class Rejoining:
     # -- the restarted rank ----------------------------------------------------------------
     def _rejoin(self, transport: Transport, deadline: float) -> None:
         me = self._me()
-        if self.config.is_ffn:
-            raise AFDPeerError(
-                f"{me}: the deployment at {self.config.host}:{self.config.port} is running "
-                "and an FFN rank cannot join it; restart the deployment (every server)"
-            )
+        if self.config.is_ffn:  # a restarted FFN rank k > 0: its group forms again
+            self._reform_group(transport)
+            return
         if not self.survives_peer_loss:
             raise AFDPeerError(
                 f"{me}: the deployment at {self.config.host}:{self.config.port} is running, "
@@ -78,9 +75,12 @@ class Rejoining:
             )
         if problem := self._shape_problem(transport, max(deadline - time.monotonic(), 1.0)):
             raise AFDPeerError(problem)
+        self._take_epoch(transport, self._store_epoch(transport))
         claim = claim_key("attention", self.role_rank)
         while transport.store_add(claim, 1) > 1:
             transport.store_add(claim, -1)
+            if moved := self._epoch_moved(transport):
+                raise moved
             if time.monotonic() > deadline:
                 raise AFDPeerError(
                     f"AFD rejoin failed: {me} is still held by a running server of the "
@@ -91,6 +91,8 @@ class Rejoining:
             time.sleep(0.2)
         try:  # a rejoin that fails frees the claim for the next try
             verdict = self._ask_to_rejoin(transport, deadline)
+            if verdict is None and (moved := self._epoch_moved(transport)):
+                raise moved
             if verdict is None or verdict[1] != "ok":
                 why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
                 raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
@@ -106,20 +108,18 @@ class Rejoining:
 
     def _ask_to_rejoin(self, transport: Transport, deadline: float) -> tuple[int, str] | None:
         """(incarnation, the FFN rank's verdict), or None if none came by the deadline."""
-        g, member = self.group, self.group_rank
-        incarnation = transport.store_add(f"afd/g{g}/link{member}/incarnation", 1)
-        transport.store_set(
-            f"afd/g{g}/hello/{member}/{incarnation}", json.dumps(self._hello()).encode()
-        )
-        number = transport.store_add(f"afd/g{g}/rejoin/count", 1)
+        g, member = self._group_prefix(), self.group_rank
+        incarnation = transport.store_add(f"{g}/link{member}/incarnation", 1)
+        transport.store_set(f"{g}/hello/{member}/{incarnation}", json.dumps(self._hello()).encode())
+        number = transport.store_add(f"{g}/rejoin/count", 1)
         request = {"member": member, "incarnation": incarnation}
-        transport.store_set(f"afd/g{g}/rejoin/{number}", json.dumps(request).encode())
-        try:
-            verdict = transport.store_get(
-                f"afd/g{g}/verdict/{member}/{incarnation}", max(deadline - time.monotonic(), 1.0)
-            )
-        except TransportError:
-            return None
+        transport.store_set(f"{g}/rejoin/{number}", json.dumps(request).encode())
+        key = f"{g}/verdict/{member}/{incarnation}"
+        # polled: a restarted FFN rank that forms the group again meanwhile ends the wait
+        while (verdict := transport.store_try_get(key)) is None:
+            if time.monotonic() > deadline or self._store_epoch(transport) != self._group_epoch:
+                return None
+            time.sleep(0.1)
         return incarnation, verdict.decode()
 
     # -- the FFN rank ------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class Rejoining:
             verdict, theirs = f"attention rank {peer} is still served by {self._me()}", None
         else:
             try:
-                hello_key = f"afd/g{self.group}/hello/{member}/{request.incarnation}"
+                hello_key = f"{self._group_prefix()}/hello/{member}/{request.incarnation}"
                 theirs = json.loads(t.store_get(hello_key, REQUEST_WAIT_S))
             except TransportError:
                 return None  # the restarted process went before it said hello
@@ -140,10 +140,10 @@ class Rejoining:
             problems = _malformed_hello(theirs) or self._hello_problems(i, theirs, self._hello())
             verdict = "; ".join(problems) if problems else "ok"
             t.store_delete(hello_key)
-        key = f"afd/g{self.group}/verdict/{member}/{request.incarnation}"
+        key = f"{self._group_prefix()}/verdict/{member}/{request.incarnation}"
         t.store_set(key, verdict.encode())
         # the member's previous process read its verdict long ago, or went without it
-        t.store_delete(f"afd/g{self.group}/verdict/{member}/{request.incarnation - 1}")
+        t.store_delete(f"{self._group_prefix()}/verdict/{member}/{request.incarnation - 1}")
         if verdict != "ok":
             return None
         link = None
@@ -202,20 +202,14 @@ def _malformed_hello(theirs) -> list[str]:
 class RejoinWatch:
     """FFN rank: a thread that takes each rejoin request of this group in turn, prepares it
     off the serving thread (`prepare`: the connector's _prepare_rejoin) and passes what it
-    admits to the serving thread (through the control inbox)."""
+    admits to the serving thread (through the control inbox). It also watches the group's
+    epoch (a newer one: a restarted process of this FFN rank took the group over, and this
+    one stops) and, when the store went with FFN rank 0, registers this rank with a
+    restarted FFN rank 0's store (group_epoch.py)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        group: int,
-        num_peers: int,
-        inbox,
-        name: str,
-        prepare: Callable[[int, RejoinRequest], RejoinReady | None],
-    ):
-        self._transport, self._group, self._num_peers = transport, group, num_peers
+    def __init__(self, connector, inbox, name: str):
+        self._connector = connector
         self._inbox = inbox
-        self._prepare = prepare
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"{name}-rejoin", daemon=True)
 
@@ -226,29 +220,52 @@ class RejoinWatch:
         self._stop.set()
 
     def _watch(self) -> None:
-        t, g = self._transport, self._group
-        try:
-            seen = t.store_add(f"afd/g{g}/rejoin/count", 0)
-            while not self._stop.wait(WATCH_INTERVAL_S):
-                for number in range(seen + 1, t.store_add(f"afd/g{g}/rejoin/count", 0) + 1):
-                    seen = number
-                    try:
-                        request = json.loads(
-                            t.store_get(f"afd/g{g}/rejoin/{number}", REQUEST_WAIT_S)
-                        )
-                        member, incarnation = int(request["member"]), int(request["incarnation"])
-                    except (TransportError, ValueError, KeyError, TypeError):
-                        continue  # its process went before it wrote the request
-                    if not 1 <= member <= self._num_peers:
-                        continue
-                    try:
-                        ready = self._prepare(member - 1, RejoinRequest(incarnation))
-                    except Exception:  # noqa: BLE001 - one bad request must not stop the watch
-                        logger.exception("AFD group %d: rejoin request %d failed", g, number)
-                        continue
-                    finally:
-                        t.store_delete(f"afd/g{g}/rejoin/{number}")  # read and answered
-                    if ready is not None:
-                        self._inbox.put(member - 1, ready)
-        except Exception:  # noqa: BLE001 - the store went with FFN rank 0: nobody can rejoin
-            logger.debug("AFD group %d: rejoin watch stopped", g, exc_info=True)
+        from afd_core.connectors.group_epoch import StopServing
+
+        c = self._connector
+        while not self._stop.is_set():
+            try:
+                stop = self._take_requests()
+            except Exception:  # noqa: BLE001 - the store went with FFN rank 0
+                logger.debug("AFD %s: rejoin watch lost the store", c._me(), exc_info=True)
+                stop = None if c._transport.hosts_store else c._reattach_store(self._stop)
+                if stop is None or stop is False:
+                    return
+                if stop is True:
+                    continue
+            if isinstance(stop, StopServing):
+                logger.error("%s", stop.reason)
+                self._inbox.put(0, stop)
+            return
+
+    def _take_requests(self):
+        """Until stopped (None) or superseded (StopServing); raises when the store is
+        lost."""
+        from afd_core.connectors.group_epoch import StopServing, epoch_key
+
+        c = self._connector
+        t, g, num_peers = c._transport, c._group_prefix(), len(c.peers)
+        seen = t.store_add(f"{g}/rejoin/count", 0)
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            epoch = t.store_add(epoch_key(c.group), 0)
+            if epoch > c._group_epoch:
+                return StopServing(c._superseded(epoch))
+            for number in range(seen + 1, t.store_add(f"{g}/rejoin/count", 0) + 1):
+                seen = number
+                try:
+                    request = json.loads(t.store_get(f"{g}/rejoin/{number}", REQUEST_WAIT_S))
+                    member, incarnation = int(request["member"]), int(request["incarnation"])
+                except (TransportError, ValueError, KeyError, TypeError):
+                    continue  # its process went before it wrote the request
+                if not 1 <= member <= num_peers:
+                    continue
+                try:
+                    ready = c._prepare_rejoin(member - 1, RejoinRequest(incarnation))
+                except Exception:  # noqa: BLE001 - one bad request must not stop the watch
+                    logger.exception("AFD %s: rejoin request %d failed", c._me(), number)
+                    continue
+                finally:
+                    t.store_delete(f"{g}/rejoin/{number}")  # read and answered
+                if ready is not None:
+                    self._inbox.put(member - 1, ready)
+        return None

@@ -74,6 +74,8 @@ class StoreTransport(Transport):
         # the group ranks that connect at start-up: every member, unless the deployment
         # formed without some after an FFN loss (formation.py); the others join later
         self.group_members: list[int] | None = None
+        # where the group's keys live in the store (an AFD group's epoch: group_epoch.py)
+        self.group_prefix = f"afd/g{group}"
 
     def open_store(self) -> None:
         import torch.distributed as dist
@@ -136,6 +138,21 @@ class StoreTransport(Transport):
                     f"{str(exc).splitlines()[0][:200]}); {hint}"
                 ) from None
         self._store.set_timeout(datetime.timedelta(seconds=self.connect_timeout_s))
+
+    def reopen_store(self) -> None:
+        """A new client of the rendezvous store at host:port in place of a lost one (FFN rank
+        0 restarted: group_epoch.py), within connect_timeout_s; the groups connected
+        through the old one stay as they are."""
+        if self.is_store_master:
+            raise TransportError("the rank holding the store cannot reopen it")
+        old_door, self._door = self._door, None
+        saved, self.formation_timeout_s = self.formation_timeout_s, None
+        try:
+            self.open_store()
+        finally:
+            self.formation_timeout_s = saved
+            if old_door is not None:
+                old_door.close()
 
     def _say_waiting(self) -> None:
         """Every PROGRESS_EVERY_S: that this rank still waits for FFN rank 0's rendezvous
@@ -238,7 +255,7 @@ class StoreTransport(Transport):
 
     def join_group(self, fail_key: str | None = None) -> None:
 
-        prefix = f"afd/g{self.group}"
+        prefix = self.group_prefix
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
         arriving = len(self.group_members) if self.group_members else self.group_size
