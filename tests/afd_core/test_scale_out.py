@@ -320,9 +320,12 @@ def late_rank(role, rank, delay, port, q):
     that delay; reports how it ended and the progress lines it logged while waiting."""
     import logging
 
+    import afd_core.connectors.formation as formation
     import afd_core.connectors.rendezvous as rendezvous
 
-    rendezvous.PROGRESS_EVERY_S = 2.0  # say it often here (30 s in a server)
+    # say it often here (30 s in a server): the wait for FFN rank 0's rendezvous, then the
+    # roll call's
+    rendezvous.PROGRESS_EVERY_S = formation.PROGRESS_EVERY_S = 2.0
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
