@@ -206,6 +206,25 @@ def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
     assert_loaded_from_the_connector(pd, before, inject_before)
 
 
+def test_with_auto_microbatches_the_kv_loads_and_every_request_completes(pd):
+    """num_microbatches "auto" on the decode server: each step's m is the tuner's (1 or 2
+    here, measured per step); the step that loads the KV still runs whole, and the
+    requests get the colocated tokens (two requests, each alone when split; this tiny
+    Qwen3-MoE batch of two computes what each computes alone on CPU, checked below)."""
+    rpc(pd.decode.url, "afd_set_microbatching", "auto")
+    try:
+        before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
+        split_before = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
+        got = prefill_then_decode(pd, batch=True)
+        split = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
+    finally:
+        rpc(pd.decode.url, "afd_set_microbatching", "1")
+    ran = {k: n - split_before.get(k, 0) for k, n in split.items() if n != split_before.get(k)}
+    assert sum(ran.values()) == MAX_TOKENS and ran.get("1", 0) >= 1, ran
+    assert_colocated_tokens(pd.alone, got)
+    assert_loaded_from_the_connector(pd, before, inject_before)
+
+
 # -- through afd pd-router ------------------------------------------------------------------
 
 
