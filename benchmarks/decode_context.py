@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         saved = json.loads(a.from_json.read_text())
         a = argparse.Namespace(**saved["args"])
-        report(a, points(a), saved["samples"], saved["minutes"], saved["logs"])
+        plan = [tuple(p) for p in saved.get("done", points(a))]
+        report(a, plan, saved["samples"], saved["minutes"], saved["logs"])
         return 0
     plan = points(a)
     model = str(tiny_checkpoint(BENCHMARK_MOE))
@@ -249,30 +250,47 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     samples: dict[str, list[dict]] = {}
     t_start = time.monotonic()
-    with running([colo, ffn, att], timeout=900):
-        for u in (colo.url, att.url):  # warm-up
-            run_batch(u, rng, 2, 64, 4)
-        for c, b, _ in plan:
-            collective_rpc(att.url, "afd_set_microbatching", "auto")
-            run_batch(att.url, rng, b, c, a.tokens)  # auto's tuner sees this size
-            for rep in range(a.reps):
-                for cfg in rotated(rep):
-                    if cfg != "colocated":
-                        collective_rpc(att.url, "afd_set_microbatching", cfg)
-                    r = run_batch(url[cfg], rng, b, c, a.tokens)
-                    if cfg != "colocated":
-                        r["split"] = split(trace, *r["window"])
-                    samples.setdefault(f"{c}|{b}|{cfg}", []).append(r)
-                    print(
-                        f"  C={c} B={b} rep {rep + 1} {cfg}: TPOT {r['tpot'] * 1e3:.1f} ms",
-                        flush=True,
-                    )
-    minutes = (time.monotonic() - t_start) / 60
-    if a.out:  # --from-json prints the table again from this
-        args = vars(a) | {"out": str(a.out), "from_json": None}
-        saved = {"args": args, "samples": samples, "minutes": minutes, "logs": str(logs)}
-        a.out.write_text(json.dumps(saved))
-    report(a, plan, samples, minutes, logs)
+    done: list[tuple[int, int, int | None]] = []  # points with every repetition measured
+
+    def save() -> float:
+        minutes = (time.monotonic() - t_start) / 60
+        if a.out:  # --from-json prints the table again from this (after every point)
+            args = vars(a) | {"out": str(a.out), "from_json": None}
+            saved = {"args": args, "samples": samples, "minutes": minutes, "logs": str(logs)}
+            saved["done"] = done
+            a.out.write_text(json.dumps(saved))
+        return minutes
+
+    try:
+        with running([colo, ffn, att], timeout=900):
+            for u in (colo.url, att.url):  # warm-up
+                run_batch(u, rng, 2, 64, 4)
+            for point in plan:
+                c, b, _ = point
+                collective_rpc(att.url, "afd_set_microbatching", "auto")
+                run_batch(att.url, rng, b, c, a.tokens)  # auto's tuner sees this size
+                for rep in range(a.reps):
+                    for cfg in rotated(rep):
+                        if cfg != "colocated":
+                            collective_rpc(att.url, "afd_set_microbatching", cfg)
+                        r = run_batch(url[cfg], rng, b, c, a.tokens)
+                        if cfg != "colocated":
+                            r["split"] = split(trace, *r["window"])
+                        samples.setdefault(f"{c}|{b}|{cfg}", []).append(r)
+                        print(
+                            f"  C={c} B={b} rep {rep + 1} {cfg}: TPOT {r['tpot'] * 1e3:.1f} ms",
+                            flush=True,
+                        )
+                done.append(point)
+                save()
+    except Exception as exc:  # a server gone (e.g. the OOM killer): report what was measured
+        print(f"stopped after {len(done)} of {len(plan)} points: {type(exc).__name__}: {exc}")
+        print(f"server logs: {logs}")
+        if not done:
+            raise
+        report(a, done, samples, save(), logs)
+        return 1
+    report(a, plan, samples, save(), logs)
     return 0
 
 
