@@ -17,10 +17,18 @@ median over the requests of the measured rank; throughput = output tokens of the
 rank / wall time. The deployments alternate per repetition; the table prints medians and
 async / lockstep ratios.
 
-All servers share this machine's cores: it shows what the code does, not what separate
-devices would give (see the README).
+All servers share this machine's cores, so the time ratios measure core contention as much
+as async DP (docs/benchmarks.md). Two things control for that:
+
+- the work, which no core sharing changes: per output token of the measured rank, the
+  forwards each attention DP rank ran (afd_steps_total on /metrics), the FFN rank's steps,
+  and the CPU-seconds every process of each server used;
+- `--placement ffn-own-core`: the FFN server's worker on core 1 alone and both attention DP
+  workers on core 0 (default `shared`: the DP workers on cores 0 and 1, the FFN server
+  unpinned, so in lockstep the idle rank's dummy forwards take the core the FFN needs).
 
     uv run --no-sync python benchmarks/async_dp.py [--batch 8] [--tokens 32] [--reps 3]
+        [--placement shared|ffn-own-core]
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ import time
 from pathlib import Path
 
 PROMPT = "Attention and the feed-forward network"
+# role -> what its server's environment sets (afd_plugin.deploy.servers pins a DP server's
+# workers one per core, round robin, and leaves a one-worker server unpinned)
+PLACEMENTS = {
+    "shared": {},
+    "ffn-own-core": {
+        "ffn": {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"},
+        "attention": {"VLLM_CPU_OMP_THREADS_BIND": "0|0"},
+    },
+}
+PLACEMENT_WORDS = {
+    "shared": "attention DP workers on cores 0 and 1, the FFN server unpinned",
+    "ffn-own-core": "the FFN server on core 1 alone, both attention DP workers on core 0",
+}
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))
 SHORT = 4
 
@@ -73,14 +94,69 @@ def run_load(url: str, measured: list[str], tokens: int, background: list[str]) 
     return seconds, wall
 
 
-def measure(url: str, batch: int, tokens: int, uneven: bool) -> tuple[float, float]:
-    """(TPOT seconds, output tokens per second) of the measured rank."""
+def afd_steps(url: str, role: str) -> dict[int, float]:
+    """afd_steps_total of each rank of `role` on a server's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        int(s.labels["rank"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "afd_steps_total" and s.labels.get("role") == role
+    }
+
+
+def cpu_seconds(server) -> float:
+    """User + system CPU-seconds of a server's processes (API server, engine, workers)."""
+    import psutil
+
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def work(d) -> dict:
+    """What the deployment has done so far, in units no core sharing changes."""
+    time.sleep(1.2)  # a rank publishes its counters at most once a second
+    att = afd_steps(d["attention"].url, "attention")
+    ffn = afd_steps(d["ffn"].url, "ffn")
+    return {
+        "forwards rank 0": att.get(0, 0.0),
+        "forwards rank 1": att.get(1, 0.0),
+        "FFN steps": sum(ffn.values()),
+        "CPU-s attention": cpu_seconds(d["attention"]),
+        "CPU-s FFN": cpu_seconds(d["ffn"]),
+    }
+
+
+def measure(d, batch: int, tokens: int, uneven: bool) -> tuple[float, float, dict]:
+    """(TPOT seconds, output tokens per second, work per output token) of the measured
+    rank (the uneven load's background prefills count as work, not as output)."""
+    url = d["attention"].url
     prompts = [f"{PROMPT} {i}" for i in range(batch)]
     background = [f"{LONG_PROMPT} {i}" for i in range(4)] if uneven else []
+    before = work(d)
     short, _ = run_load(url, prompts, SHORT, background)
     long, wall = run_load(url, prompts, SHORT + tokens, background)
+    after = work(d)
     tpot = statistics.median((b - a) / tokens for a, b in zip(short, long, strict=True))
-    return tpot, batch * (SHORT + tokens) / wall
+    out_tokens = batch * (2 * SHORT + tokens)
+    per_token = {k: (after[k] - before[k]) / out_tokens for k in after}
+    return tpot, batch * (SHORT + tokens) / wall, per_token
 
 
 def main() -> int:
@@ -91,6 +167,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--placement", choices=sorted(PLACEMENTS), default="shared")
     a = ap.parse_args()
     for flag, value in (("--batch", a.batch), ("--tokens", a.tokens), ("--reps", a.reps)):
         if value < 1:
@@ -106,10 +183,12 @@ def main() -> int:
         )
         for s in d.values():
             s.spec.extra_args += common
+        for role, env in PLACEMENTS[a.placement].items():
+            d[role].spec.env = {**d[role].spec.env, **env}
         deployments[name] = d
     servers = [s for d in deployments.values() for s in (d["ffn"], d["attention"])]
     loads = {"one rank busy": False, "uneven prompts": True}
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float, dict]]] = {}
     with running(servers, timeout=900):
         for d in deployments.values():  # warm up both ranks
             for rank in (0, 1):
@@ -119,13 +198,13 @@ def main() -> int:
         for _ in range(a.reps):
             for load, uneven in loads.items():
                 for name, d in deployments.items():
-                    got = measure(d["attention"].url, a.batch, a.tokens, uneven)
+                    got = measure(d, a.batch, a.tokens, uneven)
                     results.setdefault((load, name), []).append(got)
     print(
         f"Qwen3-MoE hidden {spec.hidden_size}, {spec.num_experts} experts top-{spec.top_k}, "
         f"{spec.num_layers} layers, fp32; 2A1F (attention DP 2); batch {a.batch} on the "
-        f"measured rank, {a.tokens} tokens, median of {a.reps}; every server shares this "
-        "machine's cores"
+        f"measured rank, {a.tokens} tokens, median of {a.reps}; placement {a.placement} "
+        f"({PLACEMENT_WORDS[a.placement]})"
     )
     print("load | DP | TPOT ms | tokens/s | TPOT async/lockstep | throughput async/lockstep")
     for load in loads:
@@ -139,6 +218,21 @@ def main() -> int:
                 lock = med["lockstep"]
                 ratios = f" | {tpot / lock[0]:.2f} | {tput / lock[1]:.2f}"
             print(f"{load} | {name} | {tpot * 1e3:.2f} | {tput:.1f}{ratios}")
+    print()
+    print("work per output token of the measured rank (medians; no core sharing changes it)")
+    keys = list(results[(next(iter(loads)), "lockstep")][0][2])
+    print("load | DP | " + " | ".join(keys) + " | CPU-s async/lockstep")
+    for load in loads:
+        med = {
+            name: {k: statistics.median(r[2][k] for r in results[(load, name)]) for k in keys}
+            for name in deployments
+        }
+        for name, w in med.items():
+            ratio = ""
+            if name == "async":
+                cpu = {n: m["CPU-s attention"] + m["CPU-s FFN"] for n, m in med.items()}
+                ratio = f" | {cpu['async'] / cpu['lockstep']:.2f}"
+            print(f"{load} | {name} | " + " | ".join(f"{w[k]:.3f}" for k in keys) + ratio)
     print(f"logs: {logs}")
     return 0
 
