@@ -172,7 +172,9 @@ def test_vllms_current_stream_in_micro_batch_threads_is_the_callers(monkeypatch)
     import afd_core.step.microbatch as microbatch
     from afd_core.step.sequence_split import SequenceSplit
 
-    assert torch.cuda.set_stream is vllm_streams._patched_set_stream  # vLLM's mechanism
+    # vLLM's mechanism (importing vLLM's CPU model runner V2 in this process, as another
+    # test may, replaces it with a no-op: vllm/v1/worker/cpu/shm.py; put it back here)
+    monkeypatch.setattr(torch.cuda, "set_stream", vllm_streams._patched_set_stream)
     set_on = {}  # thread -> the stream torch was told
     monkeypatch.setattr(
         vllm_streams, "prev_set_stream", lambda s: set_on.__setitem__(threading.get_ident(), s)
