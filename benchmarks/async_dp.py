@@ -96,22 +96,6 @@ def run_load(url: str, measured: list[str], tokens: int, background: list[str]) 
     return seconds, wall
 
 
-def afd_steps(url: str, role: str) -> dict[int, float]:
-    """afd_steps_total of each rank of `role` on a server's /metrics."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return {
-        int(s.labels["rank"]): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "afd_steps_total" and s.labels.get("role") == role
-    }
-
-
 def cpu_seconds(server) -> float:
     """User + system CPU-seconds of a server's processes (API server, engine, workers)."""
     import psutil
@@ -133,6 +117,8 @@ def cpu_seconds(server) -> float:
 
 def work(d) -> dict:
     """What the deployment has done so far, in units no core sharing changes."""
+    from afd_plugin.deploy.servers import afd_steps
+
     time.sleep(1.2)  # a rank publishes its counters at most once a second
     att = afd_steps(d["attention"].url, "attention")
     ffn = afd_steps(d["ffn"].url, "ffn")

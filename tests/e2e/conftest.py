@@ -49,20 +49,9 @@ def rpc(url: str, method: str, *args: str) -> list:
 
 
 def rank_steps(url: str, role: str = "attention") -> dict[int, float]:
-    """afd_steps_total of each rank of `role` on a server's /metrics (the snapshots its
-    ranks publish, at most once a second)."""
-    import urllib.request
+    from afd_plugin.deploy.servers import afd_steps
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return {
-        int(s.labels["rank"]): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "afd_steps_total" and s.labels.get("role") == role
-    }
+    return afd_steps(url, role)
 
 
 def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS) -> dict:

@@ -186,8 +186,10 @@ def test_afd_decodes_what_an_ordinary_prefill_server_prefilled(pd):
     assert stats["failed"] == 0 and stats["steps"] > 0, stats
 
 
-def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
-    rpc(pd.decode.url, "afd_set_microbatching", "2")
+def batch_with_microbatches(pd, m: str):
+    """Both prompts as one batch with the decode server at `m`, then back at 1: (the
+    outputs, the steps run by number of micro-batches, the KV counters before)."""
+    rpc(pd.decode.url, "afd_set_microbatching", m)
     try:
         before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
         split_before = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
@@ -195,12 +197,17 @@ def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
         split = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
     finally:
         rpc(pd.decode.url, "afd_set_microbatching", "1")
+    ran = {k: n - split_before.get(k, 0) for k, n in split.items() if n != split_before.get(k)}
+    return got, ran, (before, inject_before)
+
+
+def test_with_dbo_the_loading_step_runs_whole_and_decode_steps_split(pd):
+    got, ran, (before, inject_before) = batch_with_microbatches(pd, "2")
     # the step that loaded both prompts' KV (and sampled their first tokens) ran whole; the
     # decode steps of the two requests as two micro-batches of one request each, compared
     # with each request run alone (vLLM's CPU path is not batch-invariant). A split loading
     # step would load nothing (ExampleConnector skips a split step's forward context, after
     # logging its "Inject KV cache" line): the tokens show it.
-    ran = {k: n - split_before.get(k, 0) for k, n in split.items() if n != split_before.get(k)}
     assert ran == {"1": 1, "2": MAX_TOKENS - 1}, ran
     assert_colocated_tokens(pd.alone, got)
     assert_loaded_from_the_connector(pd, before, inject_before)
@@ -211,15 +218,7 @@ def test_with_auto_microbatches_the_kv_loads_and_every_request_completes(pd):
     here, measured per step); the step that loads the KV still runs whole, and the
     requests get the colocated tokens (two requests, each alone when split; this tiny
     Qwen3-MoE batch of two computes what each computes alone on CPU, checked below)."""
-    rpc(pd.decode.url, "afd_set_microbatching", "auto")
-    try:
-        before, inject_before = prompt_tokens_by_source(pd.decode.url), len(injected(pd.decode))
-        split_before = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
-        got = prefill_then_decode(pd, batch=True)
-        split = rpc(pd.decode.url, "afd_step_stats")[0]["by_microbatches"]
-    finally:
-        rpc(pd.decode.url, "afd_set_microbatching", "1")
-    ran = {k: n - split_before.get(k, 0) for k, n in split.items() if n != split_before.get(k)}
+    got, ran, (before, inject_before) = batch_with_microbatches(pd, "auto")
     assert sum(ran.values()) == MAX_TOKENS and ran.get("1", 0) >= 1, ran
     assert_colocated_tokens(pd.alone, got)
     assert_loaded_from_the_connector(pd, before, inject_before)

@@ -408,6 +408,21 @@ def post(url: str, path: str, body: dict | None = None, timeout: float = 600.0):
     return json.loads(text) if text else None
 
 
+def afd_steps(url: str, role: str = "attention") -> dict[int, float]:
+    """afd_steps_total of each rank of `role` on a server's /metrics (the snapshots its
+    ranks publish, at most once a second)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {
+        int(s.labels["rank"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "afd_steps_total" and s.labels.get("role") == role
+    }
+
+
 def collective_rpc(url: str, method: str, *args: str) -> list:
     """Call a worker method on every worker of a server through vLLM's dev endpoint (the
     server runs with VLLM_SERVER_DEV_MODE=1); one result per worker."""
