@@ -43,7 +43,7 @@ def attention_server(rank, a, port, steps, seed, q):
         import torch
         from tests.afd_core.gloo_harness import HIDDEN, LAYERS, make
 
-        from afd_core.connectors.control import ControlFlag
+        from afd_core.connectors.protocol.control import ControlFlag
         from afd_core.step.attention import AttentionStepDriver
 
         conn = make("attention", rank, a, 1, port, timeout=30.0)

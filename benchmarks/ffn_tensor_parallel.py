@@ -34,7 +34,7 @@ def free_port() -> int:
 def worker(group_rank: int, port: int, iters: int, q) -> None:
     import torch
 
-    from afd_core.connectors.gloo import GlooTransport
+    from afd_core.connectors.transports.gloo import GlooTransport
 
     torch.set_num_threads(1)
     t = GlooTransport("127.0.0.1", port, "bench", group_rank, 3, group_rank == TP0, 60, 60)

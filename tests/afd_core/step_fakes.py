@@ -20,7 +20,7 @@ class FakeConnector:
         self.steps, self.exchanges, self.aborted, self.ended, self.replayed = [], [], 0, 0, 0
 
     def begin_step(self, rows, flags=0):
-        from afd_core.connectors.control import ControlMessage
+        from afd_core.connectors.protocol.control import ControlMessage
 
         self.steps.append((tuple(rows), int(flags)))
         return ControlMessage(0, len(self.steps) - 1, tuple(rows), 8, "float32")

@@ -1,6 +1,6 @@
 import pytest
 
-from afd_core.connectors.control import (
+from afd_core.connectors.protocol.control import (
     MAGIC,
     MAX_MICROBATCHES,
     MESSAGE_LEN,

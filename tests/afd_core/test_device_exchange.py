@@ -15,7 +15,7 @@ import gc
 
 import pytest
 
-from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.protocol.control import ControlFlag
 from tests.afd_core.connector_fakes import ListInbox, connector, control
 
 pytestmark = pytest.mark.vllm  # needs torch
@@ -87,8 +87,8 @@ def test_a_replayed_step_is_watched_on_both_sides():
 def test_the_transport_watches_a_replay_and_a_stuck_one_aborts_the_channel():
     import time
 
-    from afd_core.connectors.device import ChannelAborted, Watchdog
-    from afd_core.connectors.nccl import NcclTransport
+    from afd_core.connectors.transports.device import ChannelAborted, Watchdog
+    from afd_core.connectors.transports.nccl import NcclTransport
     from tests.afd_core.nccl_standin import HostRuntime
 
     class Never:

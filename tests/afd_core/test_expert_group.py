@@ -11,8 +11,8 @@ import traceback
 import pytest
 
 from afd_core.connectors.base import AFDPeerError, StepPlan
-from afd_core.connectors.control import ControlFlag
-from afd_core.connectors.transport import Completed
+from afd_core.connectors.protocol.control import ControlFlag
+from afd_core.connectors.transports.transport import Completed
 from afd_core.step.expert_group import ExpertGroup, GroupStep, agree, expert_group_name
 from tests.afd_core.gloo_harness import assert_no_errors, free_port, make, run_processes
 from tests.afd_core.test_scale_out import job

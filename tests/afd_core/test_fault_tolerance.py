@@ -317,8 +317,8 @@ def test_vllms_engine_client_has_what_afd_calls():
 
 # -- the attention rank's side -------------------------------------------------------------
 def test_retry_starts_the_next_attempt_at_once(monkeypatch):
-    from afd_core.connectors import ffn_return
-    from afd_core.connectors.ffn_return import AwaitingFFN, FFNReturnWatch
+    from afd_core.connectors.admission import ffn_return
+    from afd_core.connectors.admission.ffn_return import AwaitingFFN, FFNReturnWatch
 
     monkeypatch.setattr(ffn_return, "RETRY_S", 60.0)
     attempted = threading.Event()

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from afd_core.connectors.base import AFDPeerError
-from afd_core.connectors.control import ControlFlag
-from afd_core.connectors.inbox import ControlInbox
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.protocol.control import ControlFlag
+from afd_core.connectors.protocol.inbox import ControlInbox
+from afd_core.connectors.transports.transport import TransportError
 from tests.afd_core.connector_fakes import ListInbox, connector, control
 
 pytestmark = pytest.mark.vllm  # needs torch

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from afd_core.connectors.base import StepPlan
-from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.protocol.control import ControlFlag
 from afd_core.step.graphs import FFNGraphCache, GraphPhase, graph_phase
 
 
@@ -70,7 +70,7 @@ def test_the_key_holds_the_expert_group_rows_and_a_drill_runs_eagerly():
 
 
 def test_a_failure_while_capturing_is_not_kept_and_the_cache_is_bounded():
-    from afd_core.connectors.status import StatusCode, StepStatus
+    from afd_core.connectors.protocol.status import StatusCode, StepStatus
 
     cache = FFNGraphCache(RecordingBackend(), max_graphs=1)
     failed = StepStatus(0, StatusCode.STEP_FAILED, 1, 0, 0, "boom")

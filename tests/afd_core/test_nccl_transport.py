@@ -155,7 +155,7 @@ def capturing_attn(port, fail_layer, q):
     """Steps: eager (2 rows), a capture of 4 rows that fails at `fail_layer`, then eager
     steps of 3 and 5 rows whose outputs are checked."""
 
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
     from afd_core.step.attention import AttentionStepDriver
 
     outcome = []
@@ -231,7 +231,7 @@ def slow_first_forward_attn(port, startup: bool, q):
     (as a cold first forward compiles after announcing the step), flagged STARTUP or not."""
 
     from afd_core.connectors.base import AFDPeerError
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
     from afd_core.step.attention import AttentionStepDriver
 
     outcome = []
@@ -529,7 +529,7 @@ def test_watchdog_turns_a_stuck_receive_into_the_named_error(over_nccl):
 
 
 def test_watchdog_fires_once_for_the_first_late_operation():
-    from afd_core.connectors.device import Watchdog
+    from afd_core.connectors.transports.device import Watchdog
 
     class Ev:
         def __init__(self, done):
@@ -580,8 +580,8 @@ class RecordingComm:
 def _bare_transport(send_comm, recv_comm):
     """An NCCL transport wired to the given communicators over the host runtime, with its
     watchdog's entries recorded."""
-    from afd_core.connectors.device import Watchdog
-    from afd_core.connectors.nccl import NcclTransport
+    from afd_core.connectors.transports.device import Watchdog
+    from afd_core.connectors.transports.nccl import NcclTransport
     from tests.afd_core.nccl_standin import HostRuntime
 
     runtime = HostRuntime()
@@ -617,8 +617,8 @@ def test_captured_operations_are_not_watched_and_keep_their_buffers():
 def test_aborted_channel_fails_every_later_operation_by_name():
     import torch
 
-    from afd_core.connectors.device import ChannelAborted
-    from afd_core.connectors.nccl import NcclTransport
+    from afd_core.connectors.transports.device import ChannelAborted
+    from afd_core.connectors.transports.nccl import NcclTransport
     from tests.afd_core.nccl_standin import HostRuntime
 
     aborted = []
@@ -640,7 +640,7 @@ def test_aborted_channel_fails_every_later_operation_by_name():
 
 def test_connector_rejects_tensors_on_another_device():
     from afd_core.connectors.base import WireSpec
-    from afd_core.connectors.nccl import NcclConnector
+    from afd_core.connectors.transports.nccl import NcclConnector
     from tests.afd_core.nccl_standin import HostRuntime
 
     cfg = parse_afd_config({"role": "attention", "connector": "nccl"}, device_type="cuda")
@@ -682,7 +682,7 @@ def test_a_keyed_operation_past_its_deadline_costs_its_key_alone():
     past its deadline calls on_key_expired with the key, that key's other operations leave
     the watch, and every other operation stays watched (and may complete). An operation
     without a key past its deadline stops the watchdog as before."""
-    from afd_core.connectors.device import Watchdog
+    from afd_core.connectors.transports.device import Watchdog
 
     class Event:
         def __init__(self):
@@ -720,9 +720,9 @@ def test_a_links_expiry_or_drop_aborts_that_link_alone():
     link is aborted at once (its pending kernels end)."""
     import torch
 
-    from afd_core.connectors.device import ChannelAborted
-    from afd_core.connectors.device_transport import DeviceLink
-    from afd_core.connectors.nccl import NcclTransport
+    from afd_core.connectors.transports.device import ChannelAborted
+    from afd_core.connectors.transports.device_transport import DeviceLink
+    from afd_core.connectors.transports.nccl import NcclTransport
     from tests.afd_core.nccl_standin import HostRuntime
 
     class Comm(RecordingComm):
@@ -760,7 +760,7 @@ def test_watchdog_thread_is_set_up_first_and_survives_a_failing_query():
     """The CUDA runtime sets the thread's capture mode first (a query from another thread
     during vLLM's global-mode capture would invalidate it); a query that raises counts as
     not done yet, and the thread goes on watching."""
-    from afd_core.connectors.device import Watchdog
+    from afd_core.connectors.transports.device import Watchdog
 
     class Raising:
         def __init__(self):
@@ -833,7 +833,7 @@ def test_a_failed_launch_closes_its_group_and_names_the_operations():
     depth must go back to zero), and the error names the launch; nothing is watched."""
     import torch
 
-    from afd_core.connectors.transport import TransportError
+    from afd_core.connectors.transports.transport import TransportError
 
     send = RecordingComm(fail_at=1)
     t, watched = _bare_transport(send, RecordingComm())

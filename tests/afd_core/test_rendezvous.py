@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from afd_core.connectors.gloo import GlooTransport
-from afd_core.connectors.rendezvous import _listening as reachable
-from afd_core.connectors.rendezvous import listening_socket
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.gloo import GlooTransport
+from afd_core.connectors.transports.rendezvous import _listening as reachable
+from afd_core.connectors.transports.rendezvous import listening_socket
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.net import connect_to
 from tests.afd_core.gloo_harness import free_port
 
@@ -135,7 +135,7 @@ def test_a_rank_with_a_secret_names_a_rendezvous_without_one(monkeypatch):
 
 
 def test_the_secret_comes_from_the_environment_or_a_file_and_is_checked(monkeypatch, tmp_path):
-    from afd_core.connectors.gate import deployment_secret
+    from afd_core.connectors.transports.gate import deployment_secret
     from afd_core.errors import AFDConfigError
 
     monkeypatch.delenv("AFD_DEPLOYMENT_SECRET", raising=False)
@@ -168,9 +168,9 @@ try:
     print("STRANGER-WROTE")
 except Exception as exc:
     print("STRANGER-REFUSED", type(exc).__name__)
-from afd_core.connectors.gloo import GlooTransport
-from afd_core.connectors.rendezvous import _listening as reachable
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.gloo import GlooTransport
+from afd_core.connectors.transports.rendezvous import _listening as reachable
+from afd_core.connectors.transports.transport import TransportError
 try:
     GlooTransport(host, port, 0, 1, 2, False, 4.0, 4.0).open_store()
     print("NOSECRET-ADMITTED")
@@ -248,7 +248,7 @@ def test_a_pair_that_did_not_connect_is_named_with_the_connect_bound():
     """gloo's words for a pair that did not connect, from either side, become the connect
     bound and the address tried (without gloo's sequence number); other failures keep the
     operation's own bound."""
-    from afd_core.connectors.rendezvous import gloo_reason
+    from afd_core.connectors.transports.rendezvous import gloo_reason
 
     refused = RuntimeError(
         "[pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "

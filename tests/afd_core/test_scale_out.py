@@ -78,7 +78,7 @@ def test_ranks_that_disagree_on_the_deployment_fail_every_rank_naming_the_field(
 
 def older_release_init_main(index, role, rank, a, f, port, q):
     """A rank of a release that speaks wire format 2."""
-    import afd_core.connectors.membership as membership
+    import afd_core.connectors.admission.membership as membership
 
     membership.CONTROL_VERSION = 2
     init_main(index, role, rank, a, f, port, q)
@@ -320,8 +320,8 @@ def late_rank(role, rank, delay, port, q):
     that delay; reports how it ended and the progress lines it logged while waiting."""
     import logging
 
-    import afd_core.connectors.formation as formation
-    import afd_core.connectors.rendezvous as rendezvous
+    import afd_core.connectors.admission.formation as formation
+    import afd_core.connectors.transports.rendezvous as rendezvous
 
     # say it often here (30 s in a server): the wait for FFN rank 0's rendezvous, then the
     # roll call's

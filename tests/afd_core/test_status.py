@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from afd_core.connectors.status import (
+from afd_core.connectors.protocol.status import (
     MAX_REASON,
     STATUS_LEN,
     StatusCode,

@@ -128,7 +128,7 @@ def test_planned_forward_runs_microbatches_with_their_own_contexts(setup):
 
 
 def test_dummy_forward_carries_its_flag(setup):
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
     from afd_core.step.wrapper import StepKind
 
     setup.engine.kind = StepKind.DUMMY
@@ -141,7 +141,7 @@ def test_start_up_steps_carry_their_flag_until_the_worker_has_warmed_up(setup):
     """Profiling, compile warm-up and captures run before the worker's
     compile_or_warm_up_model returns: their steps carry STARTUP (bounded by
     startup_timeout_s on both sides); the worker clears it, and real steps go without."""
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
     from afd_core.step.wrapper import StepKind
     from afd_core.workers.role_workers import AttentionWorkerMixin
 
@@ -228,7 +228,7 @@ def test_graph_capture_is_announced_and_a_replay_counts_as_exchanged(setup):
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
 
     wrapper = SimpleNamespace(runtime_mode=CUDAGraphMode.FULL, concrete_cudagraph_entries={})
     setup.engine.graph_wrapper = wrapper

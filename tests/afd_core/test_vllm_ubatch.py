@@ -206,7 +206,7 @@ def test_capture_is_announced_and_a_replay_runs_no_python(setup, monkeypatch):
     import torch
     from vllm.config import CUDAGraphMode
 
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
 
     ubw = setup.ubw
     captured = []

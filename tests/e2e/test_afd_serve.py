@@ -340,7 +340,7 @@ def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_t
     # a dead peer closes its sockets: noticed at once, long before the step timeout
     assert elapsed < STEP_TIMEOUT_S / 2, elapsed
     # the attention server names the lost peer and stays up, not ready, waiting for an FFN
-    # server (connectors/ffn_return.py; the restart is in tests/e2e/test_chaos.py)
+    # server (connectors/admission/ffn_return.py; the restart is in tests/e2e/test_chaos.py)
     deadline = time.monotonic() + 30
     while d.att.health_status() != 503:
         assert d.att.proc.poll() is None, d.att.log_tail(60)

@@ -94,7 +94,7 @@ class LoopbackConnector:
 def _loopback_decoder(layers: int, hidden: int, seed: int):
     """A toy decoder whose every layer goes through AFD's exchange op to a loopback
     connector, installed for this process: (model, connector, generator)."""
-    from afd_core.connectors.device import CudaRuntime
+    from afd_core.connectors.transports.device import CudaRuntime
     from afd_core.exchange import ffn_exchange_op
     from afd_core.runtime import install_connector
 
@@ -179,7 +179,7 @@ def ffn_graph_cache(
     rows=(64, 64), hidden=2048, inter=1408, experts=16, topk=4, layers=8, mbs=2
 ) -> dict:
     from afd_core.connectors.base import StepPlan
-    from afd_core.connectors.control import ControlFlag
+    from afd_core.connectors.protocol.control import ControlFlag
     from afd_core.step.graphs import CudaGraphBackend, FFNGraphCache
 
     dev = torch.device("cuda")
@@ -298,8 +298,8 @@ class DeviceWorkComm:
 
 
 def nccl_transport(timeout_s=1.0) -> dict:
-    from afd_core.connectors.device import ChannelAborted, CudaRuntime, Watchdog
-    from afd_core.connectors.nccl import NcclTransport
+    from afd_core.connectors.transports.device import ChannelAborted, CudaRuntime, Watchdog
+    from afd_core.connectors.transports.nccl import NcclTransport
 
     dev = torch.device("cuda")
     runtime = CudaRuntime(dev)

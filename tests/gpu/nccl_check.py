@@ -111,7 +111,7 @@ class Env:
         self.kind = kind
         self.timeout_s = timeout_s
         if kind == "cuda":
-            from afd_core.connectors.device import CudaRuntime
+            from afd_core.connectors.transports.device import CudaRuntime
             from tests.gpu.nccl_comm import factory
 
             torch.cuda.set_device(0)
@@ -139,7 +139,7 @@ class Env:
     def connector(self, role: str, rank: int, port: int):
         from afd_core.config import parse_afd_config
         from afd_core.connectors.base import WireSpec
-        from afd_core.connectors.nccl import NcclConnector
+        from afd_core.connectors.transports.nccl import NcclConnector
 
         cfg = parse_afd_config(
             {
@@ -429,7 +429,7 @@ class Attention:
     def _capture(self, rows, body, split=False):
         """Capture `body` (both sides capture: the CAPTURE flag) after one eager warm-up
         step; returns (graph, holder with the output)."""
-        from afd_core.connectors.control import ControlFlag
+        from afd_core.connectors.protocol.control import ControlFlag
 
         torch = self.torch
         self.step(rows, [body], whole=split)  # warm-up, eager (vLLM warms up first too)
@@ -620,7 +620,7 @@ class Attention:
         step fails naming it and that nothing moved; the next step (eager here, a replay
         of the FFN's graph of the same key there) is right."""
         from afd_core.connectors.base import AFDStepError
-        from afd_core.connectors.control import ControlFlag
+        from afd_core.connectors.protocol.control import ControlFlag
 
         torch = self.torch
         rows = (6,)

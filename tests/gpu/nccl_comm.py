@@ -1,11 +1,11 @@
 """An NCCL communicator of our own, for the GPU check on a machine without vLLM.
 
-It is AFD's `CommFactory`/`DeviceComm` (afd_core.connectors.device_transport) over NCCL's
+It is AFD's `CommFactory`/`DeviceComm` (afd_core.connectors.transports.device_transport) over NCCL's
 C API through ctypes, making the calls vLLM's `PyNcclCommunicator.from_unique_id_bytes`
 makes (ncclGetUniqueId, ncclCommInitRank, a one-element all-reduce warm-up, ncclSend and
 ncclRecv on the caller's stream, ncclGroupStart/End around a launch, ncclCommAbort off the
 calling thread with a 5 s join), so the NCCL connector meets NCCL as it would under vLLM.
-`factory()` returns vLLM's own (afd_core.connectors.nccl.PyNcclFactory) where vLLM can be
+`factory()` returns vLLM's own (afd_core.connectors.transports.nccl.PyNcclFactory) where vLLM can be
 imported, else this one; its `name` says which ran.
 """
 
@@ -172,7 +172,7 @@ def factory():
         import vllm.distributed.device_communicators.pynccl  # noqa: F401
     except Exception:  # noqa: BLE001 - no vLLM on the device machine
         return CtypesNcclFactory()
-    from afd_core.connectors.nccl import PyNcclFactory
+    from afd_core.connectors.transports.nccl import PyNcclFactory
 
     f = PyNcclFactory()
     f.name = "vLLM PyNcclCommunicator"

@@ -33,7 +33,7 @@ sys.meta_path.insert(0, Block())
 sys.argv = ['check.py']
 import runpy
 mod = runpy.run_path(%r, run_name='check')
-import afd_core.connectors.nccl, afd_core.connectors.device, afd_core.step.graphs
+import afd_core.connectors.transports.nccl, afd_core.connectors.transports.device, afd_core.step.graphs
 import afd_core.exchange, afd_core.runtime, afd_core.step.microbatch
 op = afd_core.exchange.ffn_exchange_op()
 print('ok', sorted(mod['CHECKS']))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_MICROBATCHES = 4  # the control message's field (connectors/control.py) holds up to this
+MAX_MICROBATCHES = (
+    4  # the control message's field (connectors/protocol/control.py) holds up to this
+)
 # with graphs on CUDA, vLLM's UBatchWrapper replays steps split in this many (vllm_ubatch.py)
 MICROBATCHES_WITH_GRAPHS = 2
 EAGER = "NONE"

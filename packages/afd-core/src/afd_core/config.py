@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES
 from afd_core.connectors.registry import available_connectors, connector_spec
 from afd_core.errors import AFDConfigError
 

@@ -21,7 +21,7 @@ it without external load balancing (`--data-parallel-external-lb` or
 turns every exception of the engine's busy loop into a wait for `retry` (up to 120 s,
 `v1/fault_tolerance/engine_core_sentinel.py`). An attention server whose FFN rank is lost
 raises nothing there: its steps fail their requests at once and it waits for an FFN rank
-(connectors/ffn_return.py), so vLLM's own status would say healthy. So AFD answers the two
+(connectors/admission/ffn_return.py), so vLLM's own status would say healthy. So AFD answers the two
 routes itself on every attention server, flag or not, as a vLLM endpoint plugin (the
 `vllm.endpoint_plugins` contract: its routes replace vLLM's where the flag registered
 them); the patch `fault_tolerance` loads it.

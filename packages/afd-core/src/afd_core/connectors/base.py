@@ -16,13 +16,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from afd_core.connectors.control import ControlFlag, ControlMessage
+from afd_core.connectors.protocol.control import ControlFlag, ControlMessage
 
 if TYPE_CHECKING:
     import torch
 
     from afd_core.config import AFDConfig
-    from afd_core.connectors.status import StepStatus
+    from afd_core.connectors.protocol.status import StepStatus
 
 
 # An attention rank's waits in a step, in units of timeout_s, the FFN rank's own bound on a

@@ -29,7 +29,10 @@ from __future__ import annotations
 import threading
 from abc import abstractmethod
 
-from afd_core.connectors.attention_side import AttentionSide, Exchange, _AttentionStep
+from afd_core.connectors.admission.ffn_return import AwaitingFFN, FFNReturnWatch
+from afd_core.connectors.admission.group_epoch import GroupEpochs
+from afd_core.connectors.admission.membership import StartupMembership
+from afd_core.connectors.admission.rejoin import Rejoining, RejoinWatch
 from afd_core.connectors.base import (
     ATTENTION_WAIT_FACTOR,
     AFDConnector,
@@ -37,22 +40,19 @@ from afd_core.connectors.base import (
     StepPlan,
     WireSpec,
 )
-from afd_core.connectors.control import (
+from afd_core.connectors.protocol.attention_side import AttentionSide, Exchange, _AttentionStep
+from afd_core.connectors.protocol.control import (
     ControlFlag,
     ControlMessage,
 )
-from afd_core.connectors.data_tags import data_tag
-from afd_core.connectors.ffn_assembly import FFNStepAssembly
-from afd_core.connectors.ffn_return import AwaitingFFN, FFNReturnWatch
-from afd_core.connectors.ffn_side import FFNDataPath, PendingBatch
-from afd_core.connectors.group_epoch import GroupEpochs
-from afd_core.connectors.heartbeat import Heartbeat
-from afd_core.connectors.inbox import ControlInbox
-from afd_core.connectors.membership import StartupMembership
-from afd_core.connectors.order import FFNOrder
-from afd_core.connectors.rejoin import Rejoining, RejoinWatch
-from afd_core.connectors.rendezvous import _listening
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.protocol.data_tags import data_tag
+from afd_core.connectors.protocol.ffn_assembly import FFNStepAssembly
+from afd_core.connectors.protocol.ffn_side import FFNDataPath, PendingBatch
+from afd_core.connectors.protocol.heartbeat import Heartbeat
+from afd_core.connectors.protocol.inbox import ControlInbox
+from afd_core.connectors.protocol.order import FFNOrder
+from afd_core.connectors.transports.rendezvous import _listening
+from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 from afd_core.metrics import RoleMetrics, SnapshotShare
 from afd_core.topology import Topology

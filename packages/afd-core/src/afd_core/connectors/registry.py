@@ -78,14 +78,14 @@ class ConnectorSpec:
 _SPECS: dict[str, ConnectorSpec] = {
     "gloo": ConnectorSpec(
         name="gloo",
-        target="afd_core.connectors.gloo:GlooConnector",
+        target="afd_core.connectors.transports.gloo:GlooConnector",
         device_types=("cpu",),
         description="CPU tensors over torch.distributed gloo (TCP), AFD's own process groups",
         options=GlooOptions,
     ),
     "nccl": ConnectorSpec(
         name="nccl",
-        target="afd_core.connectors.nccl:NcclConnector",
+        target="afd_core.connectors.transports.nccl:NcclConnector",
         device_types=("cuda",),
         description="CUDA tensors over NCCL point-to-point (vLLM's PyNccl), one communicator "
         "per direction; control on a CPU gloo channel",

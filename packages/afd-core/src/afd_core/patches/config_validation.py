@@ -50,8 +50,8 @@ from afd_core.capabilities import (
     microbatch_problem,
 )
 from afd_core.config import AFD_KEY, AUTO
-from afd_core.connectors.control import MAX_MICROBATCHES
-from afd_core.connectors.gate import deployment_secret
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES
+from afd_core.connectors.transports.gate import deployment_secret
 from afd_core.log import get_logger
 from afd_core.metrics import register_collector, server_root_pid
 from afd_core.patches.catalogue import PatchInfo, replace_attr, require_supported_vllm
@@ -244,7 +244,7 @@ def validate_cuda(afd, vllm_config) -> None:
             '\'{"cudagraph_mode": "FULL_DECODE_ONLY"}\') or none (--enforce-eager)'
         )
     if afd.connector == "nccl":
-        from afd_core.connectors.nccl import check_pynccl_enabled
+        from afd_core.connectors.transports.nccl import check_pynccl_enabled
 
         check_pynccl_enabled()
     pc = vllm_config.parallel_config

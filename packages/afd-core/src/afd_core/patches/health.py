@@ -4,7 +4,7 @@ vLLM's `/health` answers 503 only when `AsyncLLM.check_health` raises EngineDead
 vLLM 0.32's check looks at nothing but its own `errored` flag
 (`v1/engine/async_llm.py:1089`; `entrypoints/serve/instrumentator/health.py`). An
 attention server whose FFN rank is lost stays up and fails each step's requests at once
-(connectors/ffn_return.py) until an FFN rank serves it again: a load balancer must send
+(connectors/admission/ffn_return.py) until an FFN rank serves it again: a load balancer must send
 requests elsewhere meanwhile. This wraps `check_health` in the API process: after vLLM's
 own check, it raises EngineDeadError while any of the server's attention ranks shows
 `afd_peer_up` 0 for its FFN rank on /metrics (the snapshots of afd_core.metrics). The

@@ -26,7 +26,7 @@ from afd_core.connectors.base import (
     AFDPeerError,
     AFDStepError,
 )
-from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.protocol.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.microbatch import MicrobatchExecutor, MicrobatchStalled
 from afd_core.trace import now, trace_for

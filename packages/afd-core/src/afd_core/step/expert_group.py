@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd_core.connectors.base import AFDPeerError, StepPlan
-from afd_core.connectors.control import MAX_MICROBATCHES
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES
+from afd_core.connectors.transports.transport import Transport, TransportError
 
 
 def expert_group_name(first_ffn_rank: int) -> str:

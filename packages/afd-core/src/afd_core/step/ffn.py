@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 
 from afd_core.connectors.base import AFDConnector, AFDPeerError, FFNBatch
-from afd_core.connectors.status import StatusCode, StepStatus
+from afd_core.connectors.protocol.status import StatusCode, StepStatus
 from afd_core.log import get_logger
 from afd_core.step.expert_group import ExpertGroup, GroupStep
 from afd_core.step.graphs import FFNGraphCache

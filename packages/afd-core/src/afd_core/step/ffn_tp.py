@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 
 from afd_core.connectors.base import AFDPeerError
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

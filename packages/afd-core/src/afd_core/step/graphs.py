@@ -26,7 +26,7 @@ from typing import Any
 
 from afd_core.capabilities import PLATFORMS
 from afd_core.connectors.base import StepPlan
-from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.protocol.control import ControlFlag
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from afd_core.connectors.control import MAX_MICROBATCHES  # what a control message carries
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES  # what a control message carries
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afd_core.connectors.base import AFDConnector
-from afd_core.connectors.control import ControlFlag
+from afd_core.connectors.protocol.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.attention import AttentionStepDriver
 from afd_core.step.graphs import GraphPhase, graph_phase

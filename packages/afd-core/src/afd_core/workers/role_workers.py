@@ -17,7 +17,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from afd_core.config import AUTO, coerce_microbatches, require_afd_config
-from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES
 from afd_core.step.split import SplitPolicy
 from afd_core.workers.roles import (
     AttentionRole,
@@ -157,7 +157,7 @@ class AttentionWorkerMixin(_RoleWorkerMixin):
     # -- called by the API server's POST /fault_tolerance/apply (afd_core/fault_tolerance.py)
     def afd_retry_ffn(self) -> dict:
         """Without its FFN rank: try to be served again now rather than at the next retry
-        (connectors/ffn_return.py); `retried` False while an FFN rank serves this rank."""
+        (connectors/admission/ffn_return.py); `retried` False while an FFN rank serves this rank."""
         retry = getattr(self.afd.connector, "retry_ffn_now", None)
         return {"rank": self.afd.rank, "retried": bool(retry is not None and retry())}
 

@@ -22,7 +22,7 @@ from afd_core import envs
 from afd_core.config import require_afd_config
 from afd_core.connectors.base import AFDConnector, AFDPeerError, WireSpec
 from afd_core.connectors.factory import build_connector
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.registration import assert_steps_ok_for
 from afd_core.runtime import install_connector, install_sequence_split

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_core.connectors.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_core.connectors.registry import default_connector_for
+from afd_core.connectors.transports.gate import MIN_SECRET_BYTES  # the servers' own bound
 from afd_plugin.deploy.spec import (
     OWN_LOAD_S,
     Deployment,

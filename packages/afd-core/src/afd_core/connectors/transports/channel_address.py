@@ -21,7 +21,7 @@ import os
 import socket
 
 from afd_core import envs
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 
 
 def channel_choice(rendezvous_host: str) -> tuple[str, str]:

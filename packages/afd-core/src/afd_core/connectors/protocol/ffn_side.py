@@ -13,13 +13,13 @@ from afd_core.connectors.base import (
     AFDPeerError,
     FFNBatch,
 )
-from afd_core.connectors.control import ControlFlag
-from afd_core.connectors.data_tags import KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS, data_tag
-from afd_core.connectors.status import (
+from afd_core.connectors.protocol.control import ControlFlag
+from afd_core.connectors.protocol.data_tags import KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS, data_tag
+from afd_core.connectors.protocol.status import (
     StatusCode,
     StepStatus,
 )
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.trace import now
 

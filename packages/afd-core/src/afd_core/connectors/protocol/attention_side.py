@@ -12,20 +12,20 @@ from afd_core.connectors.base import (
     AFDPeerError,
     AFDStepError,
 )
-from afd_core.connectors.control import (
+from afd_core.connectors.protocol.control import (
     ControlFlag,
     ControlMessage,
 )
-from afd_core.connectors.data_tags import KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS, data_tag
-from afd_core.connectors.order import AttentionOrder
-from afd_core.connectors.status import (
+from afd_core.connectors.protocol.data_tags import KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS, data_tag
+from afd_core.connectors.protocol.order import AttentionOrder
+from afd_core.connectors.protocol.status import (
     STATUS_LEN,
     StatusCode,
     StatusError,
     StepStatus,
     decode_status,
 )
-from afd_core.connectors.transport import Handle, TransportError
+from afd_core.connectors.transports.transport import Handle, TransportError
 from afd_core.log import get_logger
 from afd_core.trace import now
 

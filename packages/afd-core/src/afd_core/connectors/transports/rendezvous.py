@@ -24,7 +24,12 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable
 
-from afd_core.connectors.transport import PROGRESS_EVERY_S, Handle, Transport, TransportError
+from afd_core.connectors.transports.transport import (
+    PROGRESS_EVERY_S,
+    Handle,
+    Transport,
+    TransportError,
+)
 from afd_core.log import get_logger
 from afd_core.net import connect_to
 
@@ -80,7 +85,7 @@ class StoreTransport(Transport):
     def open_store(self) -> None:
         import torch.distributed as dist
 
-        from afd_core.connectors.gate import deployment_secret
+        from afd_core.connectors.transports.gate import deployment_secret
 
         wait_s = self.formation_timeout_s or self.connect_timeout_s
         started = time.monotonic()
@@ -183,7 +188,7 @@ class StoreTransport(Transport):
                 time.sleep(0.2)
 
     def _refuse_if_gated(self) -> None:
-        from afd_core.connectors.gate import SECRET_ENV, SECRET_FILE_ENV, gate_greets
+        from afd_core.connectors.transports.gate import SECRET_ENV, SECRET_FILE_ENV, gate_greets
 
         while not _listening(self.host, self.port) and time.monotonic() < self._deadline:
             self._say_waiting()
@@ -201,7 +206,7 @@ class StoreTransport(Transport):
         through a local forwarder that proves the secret."""
         import torch.distributed as dist
 
-        from afd_core.connectors.gate import Forwarder, Gate, GateError
+        from afd_core.connectors.transports.gate import Forwarder, Gate, GateError
 
         timeout = datetime.timedelta(seconds=max(self._deadline - time.monotonic(), 0.1))
         if self.is_store_master:
@@ -370,7 +375,7 @@ class StoreTransport(Transport):
     def _channel_choice(self) -> tuple[str, str]:
         """Where this transport's channels bind (channel_address.py), chosen at its first
         group and kept: every link of an FFN rank binds to the same address."""
-        from afd_core.connectors.channel_address import channel_choice
+        from afd_core.connectors.transports.channel_address import channel_choice
 
         if self._channel is None:
             self._channel = channel_choice(self.host)
@@ -378,13 +383,13 @@ class StoreTransport(Transport):
 
     def channel_device(self):
         """A gloo device for one of this transport's groups, on its channel address."""
-        from afd_core.connectors.channel_address import channel_device
+        from afd_core.connectors.transports.channel_address import channel_device
 
         return channel_device(self._channel_choice())
 
     def channel_where(self) -> str:
         """For error messages: where this rank's channels are."""
-        from afd_core.connectors.channel_address import describe
+        from afd_core.connectors.transports.channel_address import describe
 
         try:
             return f"this rank's channels at {describe(self._channel_choice())}"

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd_core.connectors.member_links import MemberLinks
 from afd_core.connectors.p2p import PointToPointConnector
-from afd_core.connectors.rendezvous import (
+from afd_core.connectors.transports.member_links import MemberLinks
+from afd_core.connectors.transports.rendezvous import (
     StoreTransport,
     abort_groups,
     gloo_group,
 )
-from afd_core.connectors.transport import Handle, Transport
+from afd_core.connectors.transports.transport import Handle, Transport
 
 
 @dataclass

@@ -29,9 +29,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from afd_core.connectors.admission.membership import claim_key
 from afd_core.connectors.base import AFDPeerError
-from afd_core.connectors.membership import claim_key
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)
@@ -220,7 +220,7 @@ class RejoinWatch:
         self._stop.set()
 
     def _watch(self) -> None:
-        from afd_core.connectors.group_epoch import StopServing
+        from afd_core.connectors.admission.group_epoch import StopServing
 
         c = self._connector
         while not self._stop.is_set():
@@ -241,7 +241,7 @@ class RejoinWatch:
     def _take_requests(self):
         """Until stopped (None) or superseded (StopServing); raises when the store is
         lost."""
-        from afd_core.connectors.group_epoch import StopServing, epoch_key
+        from afd_core.connectors.admission.group_epoch import StopServing, epoch_key
 
         c = self._connector
         t, g, num_peers = c._transport, c._group_prefix(), len(c.peers)

@@ -21,7 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

@@ -24,7 +24,7 @@ import threading
 import time
 
 from afd_core import envs
-from afd_core.connectors.rendezvous import listening_socket
+from afd_core.connectors.transports.rendezvous import listening_socket
 from afd_core.log import get_logger
 from afd_core.net import connect_to
 

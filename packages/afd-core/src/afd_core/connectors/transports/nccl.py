@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import ctypes
 
-from afd_core.connectors.device import CudaRuntime, DeviceRuntime
-from afd_core.connectors.device_transport import (
+from afd_core.connectors.transports.device import CudaRuntime, DeviceRuntime
+from afd_core.connectors.transports.device_transport import (
     CommFactory,
     DeviceComm,
     DeviceConnector,
     DeviceTransport,
 )
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.errors import AFDConfigError
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afd_core.connectors.transport import PROGRESS_EVERY_S, Transport, TransportError
+from afd_core.connectors.transports.transport import PROGRESS_EVERY_S, Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

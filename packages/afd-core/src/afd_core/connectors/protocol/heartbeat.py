@@ -24,9 +24,9 @@ import threading
 import time
 
 from afd_core.connectors.base import AFDPeerError
-from afd_core.connectors.control import ControlFlag, ControlMessage
-from afd_core.connectors.status import STATUS_LEN, StatusCode, StatusError, decode_status
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.protocol.control import ControlFlag, ControlMessage
+from afd_core.connectors.protocol.status import STATUS_LEN, StatusCode, StatusError, decode_status
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.transport import TransportError
 
 
 class MemberLinks:

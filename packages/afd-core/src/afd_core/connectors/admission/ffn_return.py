@@ -34,11 +34,11 @@ from __future__ import annotations
 import threading
 import time
 
+from afd_core.connectors.admission.formation import REFORMING_KEY
+from afd_core.connectors.admission.membership import FORMED_KEY
 from afd_core.connectors.base import AFDFFNLostError, AFDPeerError
-from afd_core.connectors.formation import REFORMING_KEY
-from afd_core.connectors.membership import FORMED_KEY
-from afd_core.connectors.rendezvous import _listening
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.transports.rendezvous import _listening
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

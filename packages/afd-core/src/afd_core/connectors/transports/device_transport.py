@@ -33,11 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from afd_core.connectors.device import ChannelAborted, DeviceRuntime, Watchdog
-from afd_core.connectors.member_links import MemberLinks
 from afd_core.connectors.p2p import PointToPointConnector
-from afd_core.connectors.rendezvous import StoreTransport, abort_groups, gloo_group
-from afd_core.connectors.transport import Handle, Transport, TransportError
+from afd_core.connectors.transports.device import ChannelAborted, DeviceRuntime, Watchdog
+from afd_core.connectors.transports.member_links import MemberLinks
+from afd_core.connectors.transports.rendezvous import StoreTransport, abort_groups, gloo_group
+from afd_core.connectors.transports.transport import Handle, Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from afd_core.connectors.control import MAX_MICROBATCHES
+from afd_core.connectors.protocol.control import MAX_MICROBATCHES
 
 KIND_HIDDEN, KIND_LOGITS, KIND_TOKENS = 0, 1, 2
 NUM_KINDS = 3

@@ -11,23 +11,23 @@ served on; elsewhere any of these stops the FFN rank.
 
 from __future__ import annotations
 
+from afd_core.connectors.admission.group_epoch import StopServing
+from afd_core.connectors.admission.rejoin import RejoinReady, RejoinWatch
 from afd_core.connectors.base import (
     AFDPeerError,
     StepPlan,
 )
-from afd_core.connectors.control import (
+from afd_core.connectors.protocol.control import (
     ControlError,
     ControlFlag,
     ControlMessage,
     Expectation,
     decode,
 )
-from afd_core.connectors.group_epoch import StopServing
-from afd_core.connectors.inbox import ControlInbox
-from afd_core.connectors.order import FFNOrder
-from afd_core.connectors.rejoin import RejoinReady, RejoinWatch
-from afd_core.connectors.status import StepStatus
-from afd_core.connectors.transport import TransportError
+from afd_core.connectors.protocol.inbox import ControlInbox
+from afd_core.connectors.protocol.order import FFNOrder
+from afd_core.connectors.protocol.status import StepStatus
+from afd_core.connectors.transports.transport import TransportError
 from afd_core.log import get_logger
 from afd_core.trace import now
 

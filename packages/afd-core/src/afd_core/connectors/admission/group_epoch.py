@@ -28,11 +28,11 @@ import json
 import time
 from dataclasses import dataclass
 
+from afd_core.connectors.admission.formation import SEAT_CLOSED, keep_seat
+from afd_core.connectors.admission.membership import claim_key
 from afd_core.connectors.base import AFDPeerError
-from afd_core.connectors.formation import SEAT_CLOSED, keep_seat
-from afd_core.connectors.membership import claim_key
-from afd_core.connectors.rendezvous import _listening
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.transports.rendezvous import _listening
+from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from afd_core.connectors.control import MESSAGE_LEN, is_heartbeat
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.protocol.control import MESSAGE_LEN, is_heartbeat
+from afd_core.connectors.transports.transport import Transport, TransportError
 
 
 class ControlInbox:

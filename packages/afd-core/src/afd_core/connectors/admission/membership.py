@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import time
 
+from afd_core.connectors.admission.formation import Members, absent_ranks, await_members, take_seat
 from afd_core.connectors.base import (
     AFDPeerError,
 )
-from afd_core.connectors.control import VERSION as CONTROL_VERSION
-from afd_core.connectors.formation import Members, absent_ranks, await_members, take_seat
-from afd_core.connectors.transport import Transport, TransportError
+from afd_core.connectors.protocol.control import VERSION as CONTROL_VERSION
+from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
 logger = get_logger(__name__)
@@ -74,7 +74,7 @@ class StartupMembership:
     def _start_heartbeat(self) -> None:
         """Attention side, where links fail alone: heartbeats while idle (heartbeat.py)."""
         if self.config.is_attention and self.survives_peer_loss and self._heartbeat is None:
-            from afd_core.connectors.heartbeat import Heartbeat
+            from afd_core.connectors.protocol.heartbeat import Heartbeat
 
             self._heartbeat = Heartbeat(self, self.config.extra().liveness_timeout_s)
             self._heartbeat.start()
