@@ -8,8 +8,8 @@ import weakref
 
 from afd_core.config import parse_afd_config
 from afd_core.connectors.base import WireSpec
+from afd_core.connectors.nccl import NcclConnector
 from afd_core.connectors.protocol.control import ControlFlag, ControlMessage
-from afd_core.connectors.transports.nccl import NcclConnector
 
 
 class Done:

@@ -345,7 +345,7 @@ def nccl_standin_connector(cfg, rank, wire):
     """An NcclConnector over the stand-ins (cfg: an afd config naming connector 'nccl').
     AFD_TEST_NO_PRECONNECT=1: the transport skips connecting its pairs at start-up (to show
     the stand-in catches the deadlock that would follow)."""
-    from afd_core.connectors.transports.nccl import NcclConnector
+    from afd_core.connectors.nccl import NcclConnector
 
     if os.environ.get("AFD_TEST_NO_PRECONNECT"):
         from afd_core.connectors.transports.device_transport import DeviceTransport

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from afd_core.connectors.transports import gate
-from afd_core.connectors.transports.rendezvous import listening_socket
+from afd_core.net import listening_socket
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

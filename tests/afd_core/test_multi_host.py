@@ -1,7 +1,7 @@
 """The gloo connector across hosts (network namespaces, tests/netns.py): an FFN rank on one
 host and an attention rank on each of two others, over a bridge. Each rank's channels bind
-to the address it reaches the rendezvous from (connectors/transports/channel_address.py), so the steps
-are right and nothing of AFD listens anywhere else; a rank told to bind elsewhere fails
+to the address it reaches the rendezvous from (connectors/transports/channel_address.py), so
+the steps are right and nothing of AFD listens anywhere else; a rank told to bind elsewhere fails
 with an error naming the address."""
 
 from __future__ import annotations

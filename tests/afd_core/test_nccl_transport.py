@@ -640,7 +640,7 @@ def test_aborted_channel_fails_every_later_operation_by_name():
 
 def test_connector_rejects_tensors_on_another_device():
     from afd_core.connectors.base import WireSpec
-    from afd_core.connectors.transports.nccl import NcclConnector
+    from afd_core.connectors.nccl import NcclConnector
     from tests.afd_core.nccl_standin import HostRuntime
 
     cfg = parse_afd_config({"role": "attention", "connector": "nccl"}, device_type="cuda")

@@ -11,9 +11,8 @@ import pytest
 
 from afd_core.connectors.transports.gloo import GlooTransport
 from afd_core.connectors.transports.rendezvous import _listening as reachable
-from afd_core.connectors.transports.rendezvous import listening_socket
 from afd_core.connectors.transports.transport import TransportError
-from afd_core.net import connect_to
+from afd_core.net import connect_to, listening_socket
 from tests.afd_core.gloo_harness import free_port
 
 pytestmark = pytest.mark.vllm  # needs torch

@@ -139,7 +139,7 @@ class Env:
     def connector(self, role: str, rank: int, port: int):
         from afd_core.config import parse_afd_config
         from afd_core.connectors.base import WireSpec
-        from afd_core.connectors.transports.nccl import NcclConnector
+        from afd_core.connectors.nccl import NcclConnector
 
         cfg = parse_afd_config(
             {

@@ -14,8 +14,8 @@ AFD_STEP_TRACE = "AFD_STEP_TRACE"
 # processes vLLM starts after it (engine core, workers) inherit it. A deferred patch that
 # fails in a process where it is set stops that process: a server never runs without it.
 AFD_DEPLOYMENT_ROLE = "AFD_DEPLOYMENT_ROLE"
-# The deployment secret every rank proves to the rendezvous (connectors/transports/gate.py): the value
-# itself, or a file holding it. Never a command-line value (`ps` shows those).
+# The deployment secret every rank proves to the rendezvous (connectors/transports/gate.py):
+# the value itself, or a file holding it. Never a command-line value (`ps` shows those).
 AFD_DEPLOYMENT_SECRET = "AFD_DEPLOYMENT_SECRET"
 AFD_DEPLOYMENT_SECRET_FILE = "AFD_DEPLOYMENT_SECRET_FILE"
 # The local address (or network interface) AFD's gloo channels bind to and announce; by

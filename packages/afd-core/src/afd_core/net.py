@@ -1,5 +1,6 @@
 """TCP helpers for whatever polls a local service before it listens: the rendezvous (its
-ranks, the secret gate) and the tools that wait for a vLLM server's /health."""
+ranks, the secret gate) and the tools that wait for a vLLM server's /health; and the
+listening socket the rendezvous and its gate bind (`listening_socket`)."""
 
 from __future__ import annotations
 
@@ -26,4 +27,18 @@ def connect_to(host: str, port: int, timeout: float, source_address=None) -> soc
         raise ConnectionRefusedError(
             errno.ECONNREFUSED, f"nothing listens on {host}:{port} (a connection to itself)"
         )
+    return sock
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to `host`'s address (not every interface)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
     return sock

@@ -16,12 +16,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from afd_core.connectors.protocol.control import ControlFlag, ControlMessage
-
+# The interface names the protocol's messages in annotations only: every room of connectors/
+# imports this module, and it imports none of them (tests/afd_core/test_connector_layers.py).
 if TYPE_CHECKING:
     import torch
 
     from afd_core.config import AFDConfig
+    from afd_core.connectors.protocol.control import ControlFlag, ControlMessage
     from afd_core.connectors.protocol.status import StepStatus
 
 
@@ -42,7 +43,7 @@ class AFDStepError(RuntimeError):
 
 
 class AFDFFNLostError(AFDStepError):
-    """Attention side: this rank's FFN rank is gone (ffn_return.py). The step's requests
+    """Attention side: this rank's FFN rank is gone (admission/ffn_return.py). The step's requests
     fail, and so does every step until an FFN rank serves this rank again; the server
     stays up meanwhile."""
 

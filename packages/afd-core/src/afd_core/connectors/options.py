@@ -50,7 +50,7 @@ class GlooOptions(BaseModel):
     # After an FFN loss, how long a restarted FFN rank 0 waits for the ranks that have not
     # come back yet once the first surviving attention rank returned to it: then the
     # deployment forms with the ranks present, and the others join when they come
-    # (formation.py). Start-up proper still waits startup_timeout_s for every rank.
+    # (admission/formation.py). Start-up proper still waits startup_timeout_s for every rank.
     recovery_grace_s: Seconds = Field(default=15.0, ge=1, le=3600)
 
 

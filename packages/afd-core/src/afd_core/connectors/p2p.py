@@ -18,10 +18,11 @@ failed on either side is finished in protocol (rows of zeros) so the next step s
 step; only a transport failure ends the deployment.
 
 The connector is one class over six modules, one job each: start-up membership
-(`membership.py`), a restarted attention server's return (`rejoin.py`), the attention side
-of a step (`attention_side.py`) and its wait for a lost FFN rank (`ffn_return.py`), how the
-FFN rank assembles a step (`ffn_assembly.py`) and its data path (`ffn_side.py`); the order
-both sides check is `order.py`, the tags `data_tags.py`.
+(`admission/membership.py`), a restarted attention server's return (`admission/rejoin.py`),
+the attention side of a step (`protocol/attention_side.py`) and its wait for a lost FFN rank
+(`admission/ffn_return.py`), how the FFN rank assembles a step (`protocol/ffn_assembly.py`)
+and its data path (`protocol/ffn_side.py`); the order both sides check is
+`protocol/order.py`, the tags `protocol/data_tags.py`.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class PointToPointConnector(
     def _store_client(self) -> Transport:
         """A rendezvous store client of its own, for a thread outside the protocol: the
         connector's client serves the serving path (the store serializes a client's round
-        trips) and goes with the link when the FFN rank is lost (ffn_return.py)."""
+        trips) and goes with the link when the FFN rank is lost (admission/ffn_return.py)."""
         if not _listening(self.config.host, self.config.port):  # FFN rank 0 gone: try later
             raise TransportError(f"nothing listens at {self.config.host}:{self.config.port}")
         transport = self.make_side_transport("metrics", 0, 1, connect_scale=1.0)
@@ -218,7 +219,7 @@ class PointToPointConnector(
     # growing: their addresses never change (a captured device graph reads them)
     fixed_receive_buffers = False
     # FFN side: a lost attention peer is dropped and the others are served on (its
-    # channels fail alone: member_links.py); False for a transport without such links
+    # channels fail alone: transports/member_links.py); False for a transport without such links
     survives_peer_loss = False
 
     # -- naming, for error messages --------------------------------------------------------

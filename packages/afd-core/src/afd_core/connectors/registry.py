@@ -69,23 +69,23 @@ class ConnectorSpec:
 
 
 # Every connector here allows afd.async_dp: the protocol logic they share assembles each FFN
-# step from whichever peers announced one (ffn_assembly.py), waiting only for the ranks that
-# step together with those (one lockstep attention server, or one DP rank's TP ranks), and
-# each transport matches operations per peer pair, so peers that step on their own never
-# wait for each other. An FFN expert group cannot serve them (start-up check_peers).
+# step from whichever peers announced one (protocol/ffn_assembly.py), waiting only for the
+# ranks that step together with those (one lockstep attention server, or one DP rank's TP
+# ranks), and each transport matches operations per peer pair, so peers that step on their
+# own never wait for each other. An FFN expert group cannot serve them (start-up check_peers).
 
 
 _SPECS: dict[str, ConnectorSpec] = {
     "gloo": ConnectorSpec(
         name="gloo",
-        target="afd_core.connectors.transports.gloo:GlooConnector",
+        target="afd_core.connectors.gloo:GlooConnector",
         device_types=("cpu",),
         description="CPU tensors over torch.distributed gloo (TCP), AFD's own process groups",
         options=GlooOptions,
     ),
     "nccl": ConnectorSpec(
         name="nccl",
-        target="afd_core.connectors.transports.nccl:NcclConnector",
+        target="afd_core.connectors.nccl:NcclConnector",
         device_types=("cuda",),
         description="CUDA tensors over NCCL point-to-point (vLLM's PyNccl), one communicator "
         "per direction; control on a CPU gloo channel",

@@ -18,8 +18,8 @@ import datetime
 import uuid
 from collections.abc import Callable
 
+from afd_core.connectors.device_connector import DeviceConnector
 from afd_core.connectors.transports.device import DeviceRuntime
-from afd_core.connectors.transports.device_transport import DeviceConnector
 
 
 class NpuRuntime(DeviceRuntime):

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 
 from afd_core.connectors.admission.formation import SEAT_CLOSED, keep_seat
 from afd_core.connectors.admission.membership import claim_key
 from afd_core.connectors.base import AFDPeerError
+from afd_core.connectors.protocol.inbox import StopServing
 from afd_core.connectors.transports.rendezvous import _listening
 from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
@@ -47,13 +47,6 @@ def epoch_key(group: int) -> str:
 def group_prefix(group: int, epoch: int) -> str:
     """Where group `group`'s keys live at `epoch` (0: as formed at start-up)."""
     return f"afd/g{group}" if epoch == 0 else f"afd/g{group}/e{epoch}"
-
-
-@dataclass(frozen=True)
-class StopServing:
-    """For the FFN serving thread (through the inbox): this rank must stop, and why."""
-
-    reason: str
 
 
 class GroupEpochs:

@@ -72,7 +72,7 @@ class StartupMembership:
             self._ring = [self._allocate_receive_buffers(self.max_receive_rows()) for _ in (0, 1)]
 
     def _start_heartbeat(self) -> None:
-        """Attention side, where links fail alone: heartbeats while idle (heartbeat.py)."""
+        """Attention side, where links fail alone: heartbeats while idle (protocol/heartbeat.py)."""
         if self.config.is_attention and self.survives_peer_loss and self._heartbeat is None:
             from afd_core.connectors.protocol.heartbeat import Heartbeat
 

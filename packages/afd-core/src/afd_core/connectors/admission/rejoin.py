@@ -6,7 +6,7 @@ rank dropped the previous process (lost, or gone with a goodbye), and is waited 
 the connect timeout. It checks the deployment's shape, leaves a hello and a request in the
 store, and waits for its FFN rank's verdict. The FFN rank's rejoin thread (`RejoinWatch`)
 does the slow part: it reads the hello, checks it as at start-up, writes the verdict and
-connects the peer's fresh link (gloo.py: up to the connect bound, while the restarted
+connects the peer's fresh link (transports/gloo.py: up to the connect bound, while the restarted
 process connects its side). Then it passes the connected link to the serving thread with
 the peers' control messages, which swaps it in between two steps and starts the peer's
 listener; its steps count from 0 again. So a restarted process that dies during its rejoin
@@ -17,7 +17,7 @@ written to `afd/failed` after the deployment formed.
 
 Only a transport whose links fail alone can take a rejoining peer (`survives_peer_loss`):
 gloo's, and the device transports' (NCCL, HCCL), whose AFD groups have a communicator pair
-per attention member (member_links.py). A restarted FFN rank k > 0 forms its group again
+per attention member (transports/member_links.py). A restarted FFN rank k > 0 forms its group again
 under a new epoch (group_epoch.py); FFN rank 0 holds the store, so its restart forms the
 deployment again with the ranks present (formation.py).
 """
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from afd_core.connectors.admission.membership import claim_key
 from afd_core.connectors.base import AFDPeerError
+from afd_core.connectors.protocol.inbox import RejoinReady, StopServing
 from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
@@ -45,16 +46,6 @@ class RejoinRequest:
     """Peer i's restarted process asks for its place; its link is the incarnation-th."""
 
     incarnation: int
-
-
-@dataclass(frozen=True)
-class RejoinReady:
-    """Peer i's restarted process was admitted: its hello, and its link connected off the
-    serving thread (None: the serving thread connects it, relink)."""
-
-    incarnation: int
-    hello: dict
-    link: object | None
 
 
 class Rejoining:
@@ -123,6 +114,12 @@ class Rejoining:
         return incarnation, verdict.decode()
 
     # -- the FFN rank ------------------------------------------------------------------------
+    def _start_rejoin_watch(self) -> None:
+        """The rejoin thread (`RejoinWatch`), started with the FFN rank's control inbox
+        (protocol/ffn_assembly.py), which it passes what it admits."""
+        self._rejoin_watch = RejoinWatch(self, self._inbox, self._me())
+        self._rejoin_watch.start()
+
     def _prepare_rejoin(self, i: int, request: RejoinRequest) -> RejoinReady | None:
         """Rejoin thread: peer i's request checked, its verdict written and, where the
         transport allows it, its fresh link connected; None if it is not admitted."""
@@ -220,8 +217,6 @@ class RejoinWatch:
         self._stop.set()
 
     def _watch(self) -> None:
-        from afd_core.connectors.admission.group_epoch import StopServing
-
         c = self._connector
         while not self._stop.is_set():
             try:
@@ -241,7 +236,7 @@ class RejoinWatch:
     def _take_requests(self):
         """Until stopped (None) or superseded (StopServing); raises when the store is
         lost."""
-        from afd_core.connectors.admission.group_epoch import StopServing, epoch_key
+        from afd_core.connectors.admission.group_epoch import epoch_key
 
         c = self._connector
         t, g, num_peers = c._transport, c._group_prefix(), len(c.peers)

@@ -1,7 +1,7 @@
 """The attention side of a point-to-point step: announce it, exchange every layer of every
 micro-batch in the order the FFN rank expects, end it with the FFN rank's status, or
 finish a failed step in protocol with rows of zeros (`abort_step`). A failed channel with
-the FFN rank goes to `_ffn_failure` (ffn_return.py).
+the FFN rank goes to `_ffn_failure` (admission/ffn_return.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ served on; elsewhere any of these stops the FFN rank.
 
 from __future__ import annotations
 
-from afd_core.connectors.admission.group_epoch import StopServing
-from afd_core.connectors.admission.rejoin import RejoinReady, RejoinWatch
 from afd_core.connectors.base import (
     AFDPeerError,
     StepPlan,
@@ -24,7 +22,7 @@ from afd_core.connectors.protocol.control import (
     Expectation,
     decode,
 )
-from afd_core.connectors.protocol.inbox import ControlInbox
+from afd_core.connectors.protocol.inbox import ControlInbox, RejoinReady, StopServing
 from afd_core.connectors.protocol.order import FFNOrder
 from afd_core.connectors.protocol.status import StepStatus
 from afd_core.connectors.transports.transport import TransportError
@@ -57,8 +55,7 @@ class FFNStepAssembly:
             )
             self._inbox.start()
             if self.survives_peer_loss:
-                self._rejoin_watch = RejoinWatch(self, self._inbox, self._me())
-                self._rejoin_watch.start()
+                self._start_rejoin_watch()  # admission/rejoin.py
         while True:
             arrived = self._gather_control()
             # only goodbyes (or a departed peer's last socket error): no step to serve
@@ -135,7 +132,7 @@ class FFNStepAssembly:
         if isinstance(payload, RejoinReady):
             self._admit(i, payload)
             return
-        if isinstance(payload, StopServing):  # group_epoch.py: this rank must stop
+        if isinstance(payload, StopServing):  # admission/group_epoch.py: this rank must stop
             raise AFDPeerError(payload.reason)
         if not self._active_peers[i]:
             return  # a peer that left: its listener's last receive failed
@@ -216,7 +213,7 @@ class FFNStepAssembly:
     @property
     def all_peers_left(self) -> bool:
         """Every peer said goodbye: the deployment stops. While a lost peer may still
-        come back (rejoin.py), the FFN rank waits for it."""
+        come back (admission/rejoin.py), the FFN rank waits for it."""
         if self.survives_peer_loss:
             return all(self._peer_left)
         return not any(self._active_peers)

@@ -11,7 +11,7 @@ once (inbox.py), busy serving other peers or not:
 - the FFN rank's listener gives up on a peer that sent neither a step nor a heartbeat for
   liveness_timeout_s: the peer is dropped, its claim released, its restart admitted;
 - the attention rank that gets no answer within liveness_timeout_s loses its FFN rank
-  (ffn_return.py): its steps fail at once, /health says 503, and it waits for an FFN rank.
+  (admission/ffn_return.py): its steps fail at once, /health says 503, and it waits for an FFN rank.
 
 A heartbeat and a step's control message never interleave: both take `control_lock`, and
 a heartbeat goes only while no step is in flight (the FFN rank's status of the previous

@@ -10,7 +10,7 @@ ready (and every peer of their servers), and picks up the others in a later step
 Where links fail alone, a listener also watches its peer's liveness: it answers the
 peer's heartbeats itself (`on_heartbeat`), and a peer that sends neither a step nor a
 heartbeat within `liveness_s` is reported as failed, so it is dropped and its restart is
-admitted (rejoin.py).
+admitted (admission/rejoin.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,29 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from afd_core.connectors.protocol.control import MESSAGE_LEN, is_heartbeat
 from afd_core.connectors.transports.transport import Transport, TransportError
+
+
+# What the admission threads (admission/rejoin.py, group_epoch.py) hand the FFN serving
+# thread through the inbox (`put`), in turn with the peers' control messages.
+@dataclass(frozen=True)
+class RejoinReady:
+    """Peer i's restarted process was admitted: its hello, and its link connected off the
+    serving thread (None: the serving thread connects it, relink)."""
+
+    incarnation: int
+    hello: dict
+    link: object | None
+
+
+@dataclass(frozen=True)
+class StopServing:
+    """For the FFN serving thread (through the inbox): this rank must stop, and why."""
+
+    reason: str
 
 
 class ControlInbox:

@@ -24,9 +24,8 @@ import threading
 import time
 
 from afd_core import envs
-from afd_core.connectors.transports.rendezvous import listening_socket
 from afd_core.log import get_logger
-from afd_core.net import connect_to
+from afd_core.net import connect_to, listening_socket
 
 logger = get_logger(__name__)
 

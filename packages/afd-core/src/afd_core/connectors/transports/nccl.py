@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
-from afd_core.connectors.transports.device import CudaRuntime, DeviceRuntime
 from afd_core.connectors.transports.device_transport import (
-    CommFactory,
     DeviceComm,
-    DeviceConnector,
     DeviceTransport,
 )
 from afd_core.connectors.transports.transport import TransportError
@@ -91,20 +88,4 @@ class NcclTransport(DeviceTransport):
     channel = "NCCL"
 
 
-class NcclConnector(DeviceConnector):
-    """Connector `nccl`: the point-to-point AFD protocol over NCCL (CUDA tensors); control
-    on a CPU gloo channel."""
-
-    name = "nccl"
-    channel = "NCCL"
-
-    def default_runtime(self) -> DeviceRuntime:
-        import torch
-
-        return CudaRuntime(torch.device("cuda", torch.cuda.current_device()))
-
-    def default_comm_factory(self) -> CommFactory:
-        return PyNcclFactory()
-
-
-__all__ = ["NcclConnector", "NcclTransport", "PyNcclFactory"]
+__all__ = ["NcclTransport", "PyNcclFactory"]

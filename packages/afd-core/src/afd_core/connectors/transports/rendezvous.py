@@ -31,7 +31,7 @@ from afd_core.connectors.transports.transport import (
     TransportError,
 )
 from afd_core.log import get_logger
-from afd_core.net import connect_to
+from afd_core.net import connect_to, listening_socket
 
 # An idle deployment may wait for days between steps; peer death is detected by the socket.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -77,9 +77,9 @@ class StoreTransport(Transport):
         self._door = None
         self._channel: tuple[str, str] | None = None  # where the channels bind, chosen once
         # the group ranks that connect at start-up: every member, unless the deployment
-        # formed without some after an FFN loss (formation.py); the others join later
+        # formed without some after an FFN loss (admission/formation.py); the others join later
         self.group_members: list[int] | None = None
-        # where the group's keys live in the store (an AFD group's epoch: group_epoch.py)
+        # where the group's keys live in the store (an AFD group's epoch: admission/group_epoch.py)
         self.group_prefix = f"afd/g{group}"
 
     def open_store(self) -> None:
@@ -146,7 +146,7 @@ class StoreTransport(Transport):
 
     def reopen_store(self) -> None:
         """A new client of the rendezvous store at host:port in place of a lost one (FFN rank
-        0 restarted: group_epoch.py), within connect_timeout_s; the groups connected
+        0 restarted: admission/group_epoch.py), within connect_timeout_s; the groups connected
         through the old one stay as they are."""
         if self.is_store_master:
             raise TransportError("the rank holding the store cannot reopen it")
@@ -201,7 +201,7 @@ class StoreTransport(Transport):
             )
 
     def _open_gated_store(self, secret: bytes) -> None:
-        """The store behind the gate (connectors/gate.py): on FFN rank 0 the store listens
+        """The store behind the gate (gate.py): on FFN rank 0 the store listens
         on loopback and the gate on afd.host:afd.port; elsewhere the store client goes
         through a local forwarder that proves the secret."""
         import torch.distributed as dist
@@ -522,20 +522,6 @@ def gloo_group(store, rank: int, size: int, connect_timeout_s: float, device):
                 os.environ.pop(LAZY_INIT, None)
             else:
                 os.environ[LAZY_INIT] = before
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket bound to `host`'s address (not every interface)."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _close_fd(fd: int) -> None:
