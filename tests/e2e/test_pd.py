@@ -14,8 +14,9 @@ source (`external_kv_transfer`: every whole block below the last prompt token) a
 consumer's "Inject KV cache" log lines (logged before ExampleConnector looks at the step's
 forward context, so they alone do not prove a load).
 
-Then the same requests through `afd pd-router` (in this process), and at the end of the
-module, failures through it: the FFN server killed while a request decodes (the attention
+Then the same requests through `afd pd-router` (in this process); a second decode
+deployment, 2A1F (two data-parallel attention ranks), loading the KV on either rank; and at
+the end of the module, failures through the router: the FFN server killed while a request decodes (the attention
 server's 500 reaches the client, timed), then the prefill server killed (the router's 502,
 timed).
 
@@ -40,6 +41,7 @@ from afd_plugin.deploy.servers import (
     SHARED_CORES,
     Server,
     ServerSpec,
+    afd_steps,
     complete,
     free_port,
     local_deployment,
@@ -80,16 +82,17 @@ def loaded_tokens(prompt_tokens: int) -> int:
 
 
 def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """vLLM's prompt tokens by source, summed over the server's engines (one per DP rank)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return {
-        s.labels["source"]: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:prompt_tokens_by_source_total"
-    }
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:prompt_tokens_by_source_total":
+                out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
+    return out
 
 
 def injected(server) -> list[int]:
@@ -320,6 +323,48 @@ def toml(spec: dict) -> str:
         out.append("[[servers]]")
         out += [f"{k} = {value(x)}" for k, x in s.items()]
     return "\n".join(out) + "\n"
+
+
+# -- a decode server of two data-parallel attention ranks (2A1F) ---------------------------
+
+
+def test_a_2a1f_decode_server_loads_the_kv_on_either_data_parallel_rank(pd, log_dir):
+    """The decode stage as an attention server of two DP ranks and one FFN server: each
+    prompt prefilled by the module's prefill server, then decoded on DP rank 0 and on DP
+    rank 1 (vLLM's X-data-parallel-rank header), then once more through `afd pd-router`
+    (vLLM's balancer picks the rank). Every answer has the colocated tokens, and every
+    whole block came from the connector, summed over both ranks' counters."""
+    from afd_plugin.deploy.pd_router import RouterConfig, RunningRouter
+
+    decode_args = ARGS + ["--no-enable-prefix-caching"] + kv_config("kv_consumer", pd.storage)
+    d = local_deployment(
+        pd.model,
+        log_dir,
+        attention_ranks=2,
+        attention_args=decode_args,
+        env=DEV_MODE,
+        tag=f"{ARCH}-pd-decode-2a1f-",
+    )
+    d["attention"].spec.log_stats = True
+    decode = d["attention"]
+    loaded = [loaded_tokens(n) for n in pd.counts]
+    with running([d["ffn"], decode]):
+        for rank in (0, 1):
+            before = prompt_tokens_by_source(decode.url)
+            for p in PROMPTS:
+                complete(pd.prefill.url, p, 1)
+            got = [complete(decode.url, p, MAX_TOKENS, data_parallel_rank=rank) for p in PROMPTS]
+            assert_colocated_tokens(pd.alone, got)
+            after = prompt_tokens_by_source(decode.url)
+            delta = {k: after[k] - before.get(k, 0) for k in after}
+            assert delta["external_kv_transfer"] == sum(loaded), (rank, delta)
+            assert delta["local_compute"] == sum(pd.counts) - sum(loaded), (rank, delta)
+        config = RouterConfig(prefill=(pd.prefill.url,), decode=(decode.url,), port=0)
+        with RunningRouter(config) as r:
+            got = [complete(r.url, p, MAX_TOKENS) for p in PROMPTS]
+        assert_colocated_tokens(pd.alone, got)
+        steps = afd_steps(decode.url)
+        assert set(steps) == {0, 1} and min(steps.values()) > 0, steps
 
 
 # -- failures (these end the deployment: last in the module) ---------------------------------
