@@ -59,7 +59,9 @@ STEP_BOUND_S = 2 * TIMEOUT_S + LIVENESS_S + 3.0
 RECOVERY_BOUND_S = 60.0  # healed to served again (the FFN restart forms the deployment anew)
 SEED = int(os.environ.get("AFD_NEMESIS_SEED", "20261206"))
 FAULTS = int(os.environ.get("AFD_NEMESIS_FAULTS", "14"))
-CYCLES = int(os.environ.get("AFD_NEMESIS_CYCLES", "100"))
+# 30 in CI (a per-rejoin leak shows as 20 cycles' worth between cycle 10 and the last);
+# the 100 of docs/protocol.md with AFD_NEMESIS_CYCLES=100 (about 3 minutes)
+CYCLES = int(os.environ.get("AFD_NEMESIS_CYCLES", "30"))
 
 
 # -- the processes ----------------------------------------------------------------------

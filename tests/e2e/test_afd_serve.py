@@ -244,6 +244,8 @@ def test_both_roles_show_afd_metrics_on_vllms_metrics_endpoint(one_to_one):
     print({k: v for k, v in ffn2.items() if "bucket" not in k[0]})
 
 
+# one architecture: `afd bench` reads step traces and timings, whatever the model
+@pytest.mark.parametrize("one_to_one", ["deepseek_v2"], indirect=True)
 def test_afd_bench_measures_this_deployment(one_to_one, tmp_path):
     """`afd bench` against this running deployment, the smallest run (one sweep size pair,
     one repetition, batch 2): checks what it writes, not speed."""
@@ -353,6 +355,8 @@ def test_dead_ffn_fails_the_request_at_once_and_the_attention_server_waits(one_t
     assert (engine, state) == (0, "unhealthy") and "no FFN rank 0" in why, why
 
 
+# one architecture: the FFN server's restart and the retry route do not depend on it
+@pytest.mark.parametrize("one_to_one", ["deepseek_v2"], indirect=True)
 def test_fault_tolerance_retry_brings_the_attention_server_back(one_to_one, log_dir):
     """Last user of the deployment: an orchestrator written for vLLM's fault-tolerance
     routes restarts the lost FFN server and sends `retry` until the attention server, never
