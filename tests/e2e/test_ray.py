@@ -1,8 +1,11 @@
 """AFD on a real Ray cluster: a head node and two worker nodes, each in its own network
 namespace (tests/netns.py), and `afd ray SPEC` run on the head: the FFN server placed on
-one worker node, the attention server on the other, each by its bundle of one placement
-group. Greedy tokens identical to the colocated server's; Ctrl-C on the driver stops both
-servers (their ports close on their nodes), and the cluster is stopped at the end with no
+one worker node, the attention server on the other, and, as the spec's prefill/decode
+part (docs/pd.md), a prefill server and `afd pd-router` on the head, each by its bundle of
+one placement group. Greedy tokens identical to the colocated server's, straight to the
+attention server and through the router (the prompt's whole KV blocks prefilled on the
+head, moved by vLLM's ExampleConnector, decoded by AFD); Ctrl-C on the driver stops every
+server (their ports close on their nodes), and the cluster is stopped at the end with no
 process of it left."""
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import pytest
 
 from afd_plugin.deploy.servers import Completion, running
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
-from tests.e2e.test_multi_host import ARCH, CLIENT, START_S, _in, spec_text
+from tests.e2e.test_multi_host import ARCH, ARGS, CLIENT, ENV, START_S, _in, spec_text
+from tests.e2e.test_pd import PROMPTS as PD_PROMPTS
 from tests.netns import hosts, listening
 
 pytestmark = pytest.mark.e2e
@@ -97,7 +101,24 @@ def ray_cluster(machines, tmp: Path):
         assert not _alive_in(sids), _alive_in(sids)
 
 
-SERVERS = """
+BLOCK = 32  # the CPU attention backend's unit; prefill and decode servers share it
+# 134 tokens with the tiny tokenizer: 4 whole KV blocks move from prefill to decode
+LONG_PROMPT = PD_PROMPTS[0]
+
+
+def servers(storage: Path) -> str:
+    """The spec's servers: FFN on w1, attention (the KV consumer) on w2, the prefill server
+    (the KV producer: plain vLLM, eager like the AFD servers) and the router on the head."""
+
+    def kv(role: str) -> str:
+        config = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+        return json.dumps(["--block-size", str(BLOCK), "--kv-transfer-config", json.dumps(config)])
+
+    return f"""
 [[servers]]
 name = "ffn0"
 role = "ffn"
@@ -109,6 +130,41 @@ name = "attention0"
 role = "attention"
 port = 8000
 hosts = "w2"
+args = {kv("kv_consumer")}
+
+[[servers]]
+name = "prefill0"
+role = "prefill"
+port = 8200
+hosts = "h"
+args = {json.dumps([*ARGS, "--enforce-eager", *json.loads(kv("kv_producer"))])}
+env = {{ {", ".join(f'{k} = "{v}"' for k, v in ENV.items())} }}
+
+[router]
+host = "h"
+port = 8300
+"""
+
+
+PD_CLIENT = """
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+from afd_plugin.deploy.servers import complete, post
+router, prefill, decode, max_tokens, prompt = sys.argv[1:4] + [int(sys.argv[4]), sys.argv[5]]
+def by_source():
+    with urllib.request.urlopen(decode + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "vllm:prompt_tokens_by_source_total"}
+before = by_source()
+routed = complete(router, prompt, max_tokens, timeout=120)
+after = by_source()
+alone = complete(prefill, prompt, max_tokens, timeout=120)  # an ordinary colocated server
+tokens = post(prefill, "/tokenize", {"model": "tiny", "prompt": prompt})["count"]
+print(json.dumps({"routed": [routed.token_ids, routed.logprobs],
+                  "alone": [alone.token_ids, alone.logprobs], "prompt_tokens": tokens,
+                  "loaded": after.get("external_kv_transfer", 0)
+                            - before.get("external_kv_transfer", 0)}))
 """
 
 
@@ -124,11 +180,14 @@ def test_afd_ray_places_each_server_on_its_node_and_gives_the_colocated_tokens(
     ):
         head, w1, w2 = machines
         spec = tmp_path / "deploy.toml"
-        spec.write_text(spec_text(model, {"w1": w1, "w2": w2}, SERVERS))
+        text = spec_text(model, {"h": head, "w1": w1, "w2": w2}, servers(tmp_path / "kv"))
+        # vLLM's prompt tokens by source on the decode server's /metrics show the KV moved
+        spec.write_text(text.replace(', "--disable-log-stats"', ""))
         driver_log = tmp_path / "afd-ray.log"
         with open(driver_log, "wb") as log:
             driver = subprocess.Popen(
-                ["ip", "netns", "exec", head.name, sys.executable, "-m", "afd_plugin.cli",
+                ["ip", "netns", "exec", head.name, sys.executable, "-X", "faulthandler", "-m",
+                 "afd_plugin.cli",
                  "ray", str(spec), "--address", address, "--log-dir", str(log_dir / "ray"),
                  "--timeout", str(START_S)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -143,6 +202,10 @@ def test_afd_ray_places_each_server_on_its_node_and_gives_the_colocated_tokens(
             url = f"http://{w2.address}:8000"
             rows = json.loads(_in(w2, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
             got = [Completion(*row) for row in rows]
+            pd = json.loads(
+                _in(head, "-c", PD_CLIENT, f"http://{head.address}:8300",
+                    f"http://{head.address}:8200", url, str(MAX_TOKENS), LONG_PROMPT)
+            )  # fmt: skip
             # each server on its own node: the rendezvous and FFN API on w1, attention on w2
             on_w1, on_w2 = listening(w1.name), listening(w2.name)
         finally:
@@ -151,20 +214,32 @@ def test_afd_ray_places_each_server_on_its_node_and_gives_the_colocated_tokens(
             try:
                 driver.wait(120)
             except subprocess.TimeoutExpired:
-                os.killpg(driver.pid, signal.SIGKILL)
+                os.kill(driver.pid, signal.SIGABRT)  # its Python stacks into its log
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    driver.wait(10)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait(10)
         out = driver_log.read_text()
         assert driver.returncode == 130, out[-5000:]
         groups = _in(head, "-c", PLACEMENT_GROUPS, address)
         assert json.loads(groups) == ["REMOVED"], groups
         assert_same(reference(ARCH, colocated), got)
+        # through the router: what the colocated prefill server computes alone, with every
+        # whole block below the prompt's last token loaded from the connector
+        assert pd["routed"][0] == pd["alone"][0], pd
+        worst = max(abs(a - b) for a, b in zip(pd["routed"][1], pd["alone"][1], strict=True))
+        assert worst <= 1e-5, pd
+        assert pd["loaded"] == (pd["prompt_tokens"] - 2) // BLOCK * BLOCK > 0, pd
+        assert "placing prefill0 on h" in out and "placing router on h" in out, out
         assert {f"{w1.address}:29650", f"{w1.address}:8100"} <= set(on_w1), on_w1
         assert f"{w2.address}:8000" in on_w2 and f"{w2.address}:8100" not in on_w2, on_w2
         assert "placing ffn0 on w1" in out and "placing attention0 on w2" in out, out
         # stopped by the driver: nothing of the deployment listens any more
         gone = [
             a
-            for m in (w1, w2)
+            for m in (head, w1, w2)
             for a in listening(m.name)
-            if a.endswith((":8000", ":8100", ":29650"))
+            if a.endswith((":8000", ":8100", ":8200", ":8300", ":29650"))
         ]
         assert not gone, gone

@@ -11,8 +11,9 @@ stops everything it started. `--print` prints every host's commands for other to
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
-import time
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,25 +152,35 @@ def main(args) -> int:
 
 def serve(procs: list, timeout: float) -> int:
     """Start the processes, print progress until every API server is healthy, then watch
-    them until Ctrl-C (130) or one ends (1); always stop all of them. `procs`: launcher
-    Servers, or anything with their start/stop/proc.poll/is_healthy/log_tail."""
+    them until Ctrl-C or SIGTERM (130) or one ends (1); always stop all of them. `procs`:
+    launcher Servers, or anything with their start/stop/proc.poll/is_healthy/log_tail."""
+    # The signal only sets a flag that this thread checks between polls: a KeyboardInterrupt
+    # raised inside a Ray call (afd ray polls its actors) can be swallowed there, and the
+    # driver then never stops its servers (seen in tests/e2e/test_ray.py)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
-        with running(procs, timeout=timeout, progress=lambda m: print(m, flush=True)):
+        with running(procs, timeout=timeout, progress=lambda m: print(m, flush=True), stop=stop):
             for p in procs:
                 if p.spec.port is not None:
                     print(f"{p.spec.name} serves at {p.url}", flush=True)
             print("all up; Ctrl-C stops them", flush=True)
-            while True:
+            while not stop.wait(1.0):
                 for p in procs:
                     if p.proc.poll() is not None:
                         raise ServerError(
                             f"{p.spec.name} exited with code {p.proc.returncode}; last log "
                             f"lines ({p.log_path}):\n{p.log_tail()}"
                         )
-                time.sleep(1.0)
+            raise KeyboardInterrupt
     except ServerError as exc:
         print(f"error: {exc}\nstopped every process this command started", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopped every process this command started", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

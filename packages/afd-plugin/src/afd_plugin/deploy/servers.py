@@ -300,13 +300,17 @@ def wait_all_healthy(
     servers: list[Server],
     timeout: float = 300.0,
     progress: Callable[[str], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Wait for several servers at once (AFD roles start together and find each other)."""
+    """Wait for several servers at once (AFD roles start together and find each other);
+    KeyboardInterrupt once `stop` is set (a signal handler's flag)."""
     deadline = time.monotonic() + timeout
     pending = list(servers)
     t0 = time.monotonic()
     last = -1
     while pending:
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
         for s in list(pending):
             if s.proc.poll() is not None:
                 raise ServerError(
@@ -332,12 +336,14 @@ def wait_all_healthy(
 
 
 @contextlib.contextmanager
-def running(servers: list[Server], timeout: float = 300.0, progress=None) -> Iterator[list[Server]]:
+def running(
+    servers: list[Server], timeout: float = 300.0, progress=None, stop=None
+) -> Iterator[list[Server]]:
     """Start servers, wait until all are healthy, and always stop them afterwards."""
     try:
         for s in servers:
             s.start()
-        wait_all_healthy(servers, timeout, progress)
+        wait_all_healthy(servers, timeout, progress, stop)
         yield servers
     finally:
         for s in reversed(servers):  # attention first: it says goodbye to its FFN rank
