@@ -73,11 +73,17 @@ def run_load(url: str, measured: list[str], tokens: int, background: list[str]) 
     def one(i: int) -> None:
         seconds[i] = complete(url, measured[i], tokens, data_parallel_rank=rank).seconds
 
+    stream_errors: list[BaseException] = []
+    streamed = [0]
+
     def stream() -> None:
-        i = 0
-        while not done.is_set():
-            complete(url, background[i % len(background)], 1, data_parallel_rank=0)
-            i += 1
+        try:
+            while not done.is_set():
+                prompt = background[streamed[0] % len(background)]
+                complete(url, prompt, 1, data_parallel_rank=0)
+                streamed[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller below
+            stream_errors.append(exc)
 
     side = threading.Thread(target=stream) if background else None
     if side:
@@ -93,6 +99,9 @@ def run_load(url: str, measured: list[str], tokens: int, background: list[str]) 
     done.set()
     if side:
         side.join()
+        # a load whose background died measures nothing uneven: fail, never report it
+        if stream_errors or streamed[0] == 0:
+            raise RuntimeError(f"the background stream failed: {stream_errors or 'no prompt'}")
     return seconds, wall
 
 
