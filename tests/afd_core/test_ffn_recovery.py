@@ -66,7 +66,53 @@ def ffn(rank, a, f, port, marks, incarnation, q):
         q.put((name, "ERROR " + traceback.format_exc()))
 
 
-def attention(rank, a, f, port, marks, plan, incarnation, q):
+def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
+    """FFN rank `rank`, member rank - first of the expert group of the FFN server whose
+    ranks are first..first + size - 1, its `incarnation`-th process. Its member dies in the
+    middle of a step once marks/"crash-ffn<rank>-<incarnation>" exists; a member whose group
+    fails (a member died) records the error and exits, as vLLM tears the whole FFN server
+    down. A restart (incarnation > 0) starts once every member of the previous process is
+    gone and marks/"restart-ffn<first>-<incarnation>" exists."""
+    name = f"ffn{rank}-{incarnation}"
+    try:
+        from afd_core.step.expert_group import ExpertGroup, expert_group_name
+        from afd_core.step.ffn import FFNStepServer
+
+        members = range(first, first + size)
+        if incarnation > 0:
+            for m in members:
+                wait_for(marks / f"gone-ffn{m}-{incarnation - 1}", WAIT_S)
+            wait_for(marks / f"restart-ffn{first}-{incarnation}", WAIT_S)
+            (marks / f"restarted-ffn{rank}-{incarnation}").write_text(str(time.time()))
+        conn = make("ffn", rank, a, f, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=first)
+        conn.init()
+        side = conn.make_side_transport(expert_group_name(first), rank - first, size, 2.0)
+        side.connect()
+        group = ExpertGroup(side, rank - first, size, first)
+        group.check_peers(conn.peer_servers())
+        crash = marks / f"crash-ffn{rank}-{incarnation}"
+
+        def compute(layer, h, logits, ids, group_rows):
+            if layer == 1 and crash.exists():
+                (marks / f"gone-ffn{rank}-{incarnation}").touch()
+                os._exit(9)  # a crash: links and group channels gone
+            return h * 2 + layer
+
+        try:
+            FFNStepServer(conn, list(range(LAYERS)), compute, group=group).serve(threading.Event())
+        except Exception as exc:  # the group broke: vLLM stops the whole FFN server
+            (marks / f"error-ffn{rank}-{incarnation}").write_text(f"{type(exc).__name__}: {exc}")
+            (marks / f"gone-ffn{rank}-{incarnation}").touch()
+            os._exit(1)
+        out = {"steps": group.steps, "lost": conn.peers_lost}
+        conn.close()
+        group.close()
+        q.put((name, out))
+    except Exception:
+        q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None):
     """Attention server `rank` (one rank), its `incarnation`-th process, stepping until
     `plan` says it is done:
 
@@ -83,13 +129,14 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
         if incarnation > 0:
             wait_for(marks / f"restart-att{rank}", WAIT_S)
         losses = int((marks / f"losses-att{rank}").read_text()) if plan == "recover" else 0
+        start = rank if start_rank is None else start_rank
         conn = make(
-            "attention", rank, a, f, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=rank
+            "attention", rank, a, f, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=start
         )
         t0 = time.monotonic()
         conn.init()
         init_s = time.monotonic() - t0
-        outcomes, back_at, lost_at, lost_count = [], [], [], 0
+        outcomes, back_at, lost_at, lost_count, slowest = [], [], [], 0, 0.0
         deadline = time.monotonic() + WAIT_S
         (marks / f"up-{name}").touch()
         while True:
@@ -105,7 +152,9 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
                 if (marks / "stop").exists():
                     break
             try:
+                began = time.monotonic()
                 ok = checked_step(conn, rank, len(outcomes), LAYERS)
+                slowest = max(slowest, time.monotonic() - began)
                 if outcomes and outcomes[-1] == "lost":
                     back_at.append(time.time())
                     (marks / f"back-{name}-{lost_count}").touch()
@@ -113,6 +162,7 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
                 if outcomes == ["ok"] * 3:
                     (marks / f"stepped-{name}").touch()
             except AFDFFNLostError:
+                slowest = max(slowest, time.monotonic() - began)
                 if not outcomes or outcomes[-1] != "lost":
                     lost_count += 1
                     lost_at.append(time.time())
@@ -128,11 +178,22 @@ def attention(rank, a, f, port, marks, plan, incarnation, q):
         q.put(
             (
                 name,
-                {"outcomes": outcomes, "back_at": back_at, "init_s": init_s, "lost_at": lost_at},
+                {
+                    "outcomes": outcomes,
+                    "back_at": back_at,
+                    "init_s": init_s,
+                    "lost_at": lost_at,
+                    "slowest_s": slowest,
+                },
             )
         )
     except Exception:
         q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def server_attention(rank, a, f, port, marks, plan, incarnation, start_rank, q):
+    """`attention` for a rank of an attention server whose first rank is start_rank."""
+    attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=start_rank)
 
 
 def _collapse(outcomes: list[str]) -> list[str]:
@@ -147,6 +208,7 @@ def conductor(marks, script, q):
             (marks / touch).touch()
         q.put(("conductor", "done"))
     except Exception:
+        (marks / "stop").touch()  # the steady processes end, so the test reports at once
         q.put(("conductor", "ERROR " + traceback.format_exc()))
 
 
@@ -233,3 +295,94 @@ def test_two_ffn_servers_restarting_only_the_failed_one_reforms_the_deployment(
         f"FFN 1 restarted: attention 1 served again after {second:.1f} s"
     )
     assert first < GRACE_S + 8 and second < GRACE_S + 8, (first, second)
+
+
+def _served_again(out, marks, first) -> float:
+    """Seconds from the restarted FFN server's start to the slowest of `out`'s attention
+    ranks being served again."""
+    restarted = float((marks / f"restarted-ffn{first}-1").read_text())
+    return max(got["back_at"][0] for got in out) - restarted
+
+
+def test_an_expert_group_losing_one_member_fails_its_peers_steps_and_reforms_when_restarted(
+    tmp_path, monkeypatch
+):
+    """2A2F as one FFN server whose two ranks are an expert group (vLLM DP 2 on the FFN
+    server) and one attention server of two ranks: FFN rank 1 dies in a step; FFN rank 0
+    gets an error from its group (no hang) and exits (vLLM tears the server down); both
+    attention ranks fail their step with an error; both FFN ranks are restarted (FFN rank 0
+    hosts a fresh store) and serve both attention ranks again, the group in step."""
+    monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
+    for rank in (0, 1):
+        (tmp_path / f"losses-att{rank}").write_text("1")
+    port = free_port()
+    script = [
+        ("stepped-att1-0", "crash-ffn1-0"),
+        ("lost-att1-0-1", "restart-ffn0-1"),  # restarts once both members are gone
+        ("done-att1-0", "stop"),
+    ]
+    targets = [
+        (group_ffn, 0, 2, 2, 0, 2, port, tmp_path, 0),
+        (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 0),
+        (group_ffn, 0, 2, 2, 0, 2, port, tmp_path, 1),
+        (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 1),
+        (server_attention, 0, 2, 2, port, tmp_path, "recover", 0, 0),
+        (server_attention, 1, 2, 2, port, tmp_path, "recover", 0, 0),
+        (conductor, tmp_path, script),
+    ]
+    out = run_processes(targets, timeout=200, expect=5)  # both first FFN processes exit
+    assert_no_errors(out)
+    error = (tmp_path / "error-ffn0-0").read_text()
+    print(f"FFN rank 0's error from its group: {error}")
+    atts = [out["att0-0"], out["att1-0"]]
+    for got in atts:
+        assert _collapse(got["outcomes"]) == ["ok", "lost", "ok"], got
+        assert got["slowest_s"] < 3 * TIMEOUT_S + 5, got  # a failed step is bounded
+    assert out["ffn0-1"]["steps"] == out["ffn1-1"]["steps"] > 0, out
+    served = _served_again(atts, tmp_path, 0)
+    print(f"both attention ranks served again {served:.1f} s after the group's restart")
+    assert served < GRACE_S + 10, served
+
+
+def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_store_lives(
+    tmp_path, monkeypatch
+):
+    """3A3F-like: FFN server 0 is FFN rank 0 alone (it hosts the store) serving attention
+    rank 0; FFN server 1 is FFN ranks 1-2, an expert group, serving attention ranks 1-2 (one
+    attention server). FFN rank 2 dies, FFN rank 1 exits on its group's error; ranks 1-2
+    are restarted alone (the store and its keys of the old group live on): attention rank 0
+    is served throughout, attention ranks 1-2 fail their steps and are served again."""
+    monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
+    for rank in (1, 2):
+        (tmp_path / f"losses-att{rank}").write_text("1")
+    port = free_port()
+    script = [
+        ("stepped-att2-0", "crash-ffn2-0"),
+        ("lost-att2-0-1", "restart-ffn1-1"),
+        ("done-att2-0", "stop"),
+    ]
+    targets = [
+        (ffn, 0, 3, 3, port, tmp_path, 0),
+        (group_ffn, 1, 3, 3, 1, 2, port, tmp_path, 0),
+        (group_ffn, 2, 3, 3, 1, 2, port, tmp_path, 0),
+        (group_ffn, 1, 3, 3, 1, 2, port, tmp_path, 1),
+        (group_ffn, 2, 3, 3, 1, 2, port, tmp_path, 1),
+        (attention, 0, 3, 3, port, tmp_path, "steady", 0),
+        (server_attention, 1, 3, 3, port, tmp_path, "recover", 0, 1),
+        (server_attention, 2, 3, 3, port, tmp_path, "recover", 0, 1),
+        (conductor, tmp_path, script),
+    ]
+    out = run_processes(targets, timeout=200, expect=7)  # FFN 1-2's first processes exit
+    assert_no_errors(out)
+    print(f"FFN rank 1's error from its group: {(tmp_path / 'error-ffn1-0').read_text()}")
+    steady = out["att0-0"]
+    assert _collapse(steady["outcomes"]) == ["ok"], steady
+    print(f"attention 0's slowest step: {steady['slowest_s']:.2f} s")
+    assert steady["slowest_s"] < TIMEOUT_S, steady
+    atts = [out["att1-0"], out["att2-0"]]
+    for got in atts:
+        assert _collapse(got["outcomes"]) == ["ok", "lost", "ok"], got
+    assert out["ffn1-1"]["steps"] == out["ffn2-1"]["steps"] > 0, out
+    served = _served_again(atts, tmp_path, 1)
+    print(f"attention ranks 1-2 served again {served:.1f} s after the group's restart")
+    assert served < GRACE_S + 10, served
