@@ -143,7 +143,9 @@ class PointToPointConnector(
         """A transport for a group of this deployment outside the AFD protocol (the
         tensor-parallel workers of one FFN rank), on the same rendezvous store; its
         members wait up to connect_scale times the connect timeout for each other."""
-        return self._build_transport(name, group_rank, group_size, False, connect_scale)
+        transport = self._build_transport(name, group_rank, group_size, False, connect_scale)
+        transport.fresh_launch = group_size > 1  # the store may outlive the group's members
+        return transport
 
     def _build_transport(self, group, group_rank, group_size, store_master, connect_scale):
         extra = self.config.extra()

@@ -21,6 +21,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from abc import abstractmethod
 from collections.abc import Callable
 
@@ -81,6 +82,9 @@ class StoreTransport(Transport):
         self.group_members: list[int] | None = None
         # where the group's keys live in the store (an AFD group's epoch: admission/group_epoch.py)
         self.group_prefix = f"afd/g{group}"
+        # a side group (an expert group, FFN tensor parallelism): its members agree on a
+        # launch of their own first (`_agree_launch`), as the store may outlive them
+        self.fresh_launch = False
 
     def open_store(self) -> None:
         import torch.distributed as dist
@@ -259,7 +263,8 @@ class StoreTransport(Transport):
         )
 
     def join_group(self, fail_key: str | None = None) -> None:
-
+        if self.fresh_launch:
+            self._agree_launch()
         prefix = self.group_prefix
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
@@ -278,6 +283,52 @@ class StoreTransport(Transport):
                 f"({self.channel_where()}): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
+
+    def _agree_launch(self) -> None:
+        """A side group's members meet under a prefix of this launch's own. The store (in
+        FFN rank 0's process) outlives an FFN server restarted alone: under a fixed prefix
+        the restarted members would find the dead launch's arrival count (the barrier
+        passes at once) and its gloo keys (they connect to dead processes). Group rank 0
+        names the launch with a new uuid; each other member asks with a token of its own
+        and joins the launch that answers that token, which only a live group rank 0 can.
+        Group rank 0 deletes the previous launch's arrival keys."""
+        base, me = self.group_prefix, self.group_rank
+        deadline = self._deadline
+        if me == 0:
+            launch = uuid.uuid4().hex[:16]
+            if (previous := self.store_try_get(f"{base}/launch")) is not None:
+                for key in ("arrived", "arrived/left"):
+                    self.store_delete(f"{base}/{previous.decode()}/{key}")
+            self._store.set(f"{base}/launch", launch.encode())
+            prefix, asked = f"{base}/{launch}", {}
+            # answer every member's latest ask until all arrived under this launch
+            while self._store.add(f"{prefix}/arrived", 0) < self.group_size - 1:
+                for m in range(1, self.group_size):
+                    token = self.store_try_get(f"{base}/ask/{m}")
+                    if token is not None and asked.get(m) != token:
+                        if m in asked:
+                            self.store_delete(f"{base}/answer/{m}/{asked[m].decode()}")
+                        self._store.set(f"{base}/answer/{m}/{token.decode()}", launch.encode())
+                        asked[m] = token
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"group {self.group}: only {self._store.add(f'{prefix}/arrived', 0)} "
+                        f"of {self.group_size - 1} other members joined its launch within "
+                        f"{self.connect_timeout_s:.0f}s"
+                    )
+                time.sleep(0.05)
+        else:
+            token = uuid.uuid4().hex[:16]
+            self._store.set(f"{base}/ask/{me}", token.encode())
+            while (launch := self.store_try_get(f"{base}/answer/{me}/{token}")) is None:
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"group {self.group}: its group rank 0 did not answer within "
+                        f"{self.connect_timeout_s:.0f}s (not started, or gone)"
+                    )
+                time.sleep(0.05)
+            launch = launch.decode()
+        self.group_prefix = f"{base}/{launch}"
 
     def barrier(
         self,
