@@ -386,3 +386,105 @@ def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_s
     served = _served_again(atts, tmp_path, 1)
     print(f"attention ranks 1-2 served again {served:.1f} s after the group's restart")
     assert served < GRACE_S + 10, served
+
+
+def tp_ffn(tp_rank, port, marks, incarnation, q):
+    """TP rank `tp_rank` of FFN rank 1 of a 2A2F deployment (FFN server 1: FFN rank 1 with
+    tensor parallelism 2), its `incarnation`-th process: the leader (TP rank 0) is the FFN
+    rank, the follower computes every layer with it. The follower dies in a step once
+    marks/"crash-ffn1tp<tp_rank>-<incarnation>" exists; the leader, whose group breaks,
+    records the error and exits (vLLM stops the server). A restart waits for both."""
+    name = f"ffn1tp{tp_rank}-{incarnation}"
+    try:
+        import torch
+
+        from afd_core.step.ffn import FFNStepServer
+        from afd_core.step.ffn_tp import (
+            TensorParallelFollower,
+            TensorParallelLeader,
+            tp_group_name,
+        )
+        from tests.afd_core.gloo_harness import HIDDEN
+
+        if incarnation > 0:
+            for r in (0, 1):
+                wait_for(marks / f"gone-ffn1tp{r}-{incarnation - 1}", WAIT_S)
+            wait_for(marks / f"restart-ffn1-{incarnation}", WAIT_S)
+            (marks / f"restarted-ffn1-{incarnation}").write_text(str(time.time()))
+        conn = make("ffn", 1, 2, 2, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=1)
+        crash = marks / f"crash-ffn1tp{tp_rank}-{incarnation}"
+        if tp_rank == 1:  # never initialized: not an AFD rank
+            side = conn.make_side_transport(tp_group_name(1), 1, 2, connect_scale=2.0)
+            side.connect()
+            follower = TensorParallelFollower(side, 1, 1, HIDDEN, torch.float32)
+
+            def follow(layer, *_):
+                if layer == 1 and crash.exists():
+                    (marks / f"gone-{name}").touch()
+                    os._exit(9)
+
+            follower.serve(follow, threading.Event())
+            q.put((name, {"computed": follower.computed}))
+            follower.close()
+            return
+        conn.init()
+        side = conn.make_side_transport(tp_group_name(1), 0, 2, connect_scale=2.0)
+        side.connect()
+        leader = TensorParallelLeader(side, 2, 1)
+
+        def compute(layer, h, logits, ids):
+            leader.share(layer, h, logits, ids)
+            return h * 2 + layer
+
+        try:
+            FFNStepServer(conn, list(range(LAYERS)), compute).serve(threading.Event())
+        except Exception as exc:  # the TP group broke: vLLM stops the whole FFN server
+            (marks / f"error-{name}").write_text(f"{type(exc).__name__}: {exc}")
+            (marks / f"gone-{name}").touch()
+            os._exit(1)
+        leader.stop()
+        q.put((name, {"shared": leader.shared}))
+        conn.close()
+        leader.close()
+    except Exception:
+        q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def test_an_ffn_rank_above_0_with_tensor_parallelism_losing_a_follower_reforms_when_restarted(
+    tmp_path, monkeypatch
+):
+    """2A2F whose FFN server 1 is FFN rank 1 with tensor parallelism 2 (a leader and a
+    follower; FFN rank 0 holds the store): the follower dies in a step, the leader gets its
+    TP group's error and exits; both are restarted alone (the store and the old TP group's
+    keys live on): attention rank 0 is served throughout, attention rank 1 fails its steps
+    and is served again, the restarted follower computing every layer with its leader."""
+    monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
+    (tmp_path / "losses-att1").write_text("1")
+    port = free_port()
+    script = [
+        ("stepped-att1-0", "crash-ffn1tp1-0"),
+        ("lost-att1-0-1", "restart-ffn1-1"),
+        ("done-att1-0", "stop"),
+    ]
+    targets = [
+        (ffn, 0, 2, 2, port, tmp_path, 0),
+        (tp_ffn, 0, port, tmp_path, 0),
+        (tp_ffn, 1, port, tmp_path, 0),
+        (tp_ffn, 0, port, tmp_path, 1),
+        (tp_ffn, 1, port, tmp_path, 1),
+        (attention, 0, 2, 2, port, tmp_path, "steady", 0),
+        (attention, 1, 2, 2, port, tmp_path, "recover", 0),
+        (conductor, tmp_path, script),
+    ]
+    out = run_processes(targets, timeout=200, expect=6)  # FFN 1's first processes exit
+    assert_no_errors(out)
+    print(f"FFN rank 1's error from its TP group: {(tmp_path / 'error-ffn1tp0-0').read_text()}")
+    steady = out["att0-0"]
+    assert _collapse(steady["outcomes"]) == ["ok"], steady
+    assert steady["slowest_s"] < TIMEOUT_S, steady
+    got = out["att1-0"]
+    assert _collapse(got["outcomes"]) == ["ok", "lost", "ok"], got
+    assert out["ffn1tp0-1"]["shared"] == out["ffn1tp1-1"]["computed"] > 0, out
+    served = _served_again([got], tmp_path, 1)
+    print(f"attention 1 served again {served:.1f} s after FFN server 1's restart")
+    assert served < GRACE_S + 10, served
