@@ -26,7 +26,9 @@ import pytest
 from afd_plugin.deploy.servers import Completion, running
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
 from tests.e2e.test_multi_host import ARCH, ARGS, CLIENT, ENV, START_S, _in, spec_text
+from tests.e2e.test_pd import ARGS as PD_ARGS
 from tests.e2e.test_pd import PROMPTS as PD_PROMPTS
+from tests.e2e.test_pd import kv_config, loaded_tokens
 from tests.netns import hosts, listening
 
 pytestmark = pytest.mark.e2e
@@ -101,7 +103,6 @@ def ray_cluster(machines, tmp: Path):
         assert not _alive_in(sids), _alive_in(sids)
 
 
-BLOCK = 32  # the CPU attention backend's unit; prefill and decode servers share it
 # 134 tokens with the tiny tokenizer: 4 whole KV blocks move from prefill to decode
 LONG_PROMPT = PD_PROMPTS[0]
 
@@ -110,13 +111,8 @@ def servers(storage: Path) -> str:
     """The spec's servers: FFN on w1, attention (the KV consumer) on w2, the prefill server
     (the KV producer: plain vLLM, eager like the AFD servers) and the router on the head."""
 
-    def kv(role: str) -> str:
-        config = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-        }
-        return json.dumps(["--block-size", str(BLOCK), "--kv-transfer-config", json.dumps(config)])
+    def kv(role: str) -> list[str]:
+        return [*PD_ARGS, *kv_config(role, storage)]  # the P/D module's block size
 
     return f"""
 [[servers]]
@@ -130,14 +126,14 @@ name = "attention0"
 role = "attention"
 port = 8000
 hosts = "w2"
-args = {kv("kv_consumer")}
+args = {json.dumps(kv("kv_consumer"))}
 
 [[servers]]
 name = "prefill0"
 role = "prefill"
 port = 8200
 hosts = "h"
-args = {json.dumps([*ARGS, "--enforce-eager", *json.loads(kv("kv_producer"))])}
+args = {json.dumps([*ARGS, "--enforce-eager", *kv("kv_producer")])}
 env = {{ {", ".join(f'{k} = "{v}"' for k, v in ENV.items())} }}
 
 [router]
@@ -147,18 +143,13 @@ port = 8300
 
 
 PD_CLIENT = """
-import json, sys, urllib.request
-from prometheus_client.parser import text_string_to_metric_families
+import json, sys
 from afd_plugin.deploy.servers import complete, post
+from tests.e2e.test_pd import prompt_tokens_by_source
 router, prefill, decode, max_tokens, prompt = sys.argv[1:4] + [int(sys.argv[4]), sys.argv[5]]
-def by_source():
-    with urllib.request.urlopen(decode + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == "vllm:prompt_tokens_by_source_total"}
-before = by_source()
+before = prompt_tokens_by_source(decode)
 routed = complete(router, prompt, max_tokens, timeout=120)
-after = by_source()
+after = prompt_tokens_by_source(decode)
 alone = complete(prefill, prompt, max_tokens, timeout=120)  # an ordinary colocated server
 tokens = post(prefill, "/tokenize", {"model": "tiny", "prompt": prompt})["count"]
 print(json.dumps({"routed": [routed.token_ids, routed.logprobs],
@@ -230,7 +221,7 @@ def test_afd_ray_places_each_server_on_its_node_and_gives_the_colocated_tokens(
         assert pd["routed"][0] == pd["alone"][0], pd
         worst = max(abs(a - b) for a, b in zip(pd["routed"][1], pd["alone"][1], strict=True))
         assert worst <= 1e-5, pd
-        assert pd["loaded"] == (pd["prompt_tokens"] - 2) // BLOCK * BLOCK > 0, pd
+        assert pd["loaded"] == loaded_tokens(pd["prompt_tokens"]) > 0, pd
         assert "placing prefill0 on h" in out and "placing router on h" in out, out
         assert {f"{w1.address}:29650", f"{w1.address}:8100"} <= set(on_w1), on_w1
         assert f"{w2.address}:8000" in on_w2 and f"{w2.address}:8100" not in on_w2, on_w2
