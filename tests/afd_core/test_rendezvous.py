@@ -266,3 +266,73 @@ def test_a_pair_that_did_not_connect_is_named_with_the_connect_bound():
         gloo_reason(RuntimeError("Timed out waiting 5000ms"), 5, connect_s=6)
         == "no answer within 5s"
     )
+
+
+def _side_member(port: int, rank: int, connect_timeout_s: float = 20.0) -> GlooTransport:
+    """Member `rank` of a two-member side group (an expert group, FFN tensor parallelism)
+    on the store at `port`, made as p2p.make_side_transport makes it."""
+    from afd_core.connectors.admission.membership import FAILED_KEY
+
+    t = GlooTransport("127.0.0.1", port, "side", rank, 2, False, 5.0, connect_timeout_s)
+    t.fresh_launch, t.fail_key = True, FAILED_KEY
+    return t
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_side_group_member_whose_deployment_failed_stops_at_once_with_the_reason(rank):
+    """A side group's launch agreement watches the deployment's failure flag as the group
+    barrier does: before, a member waited out its whole connect timeout (20 s here) for a
+    group rank 0 (or members) that would never come."""
+    import time
+
+    from afd_core.connectors.admission.membership import FAILED_KEY
+
+    port = free_port()
+    store = GlooTransport("127.0.0.1", port, 0, 0, 2, True, 5.0, 5.0)
+    store.open_store()
+    try:
+        store.store_set(FAILED_KEY, b"attention rank 1: hidden_size 64 != 128")
+        member = _side_member(port, rank)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="hidden_size 64 != 128"):
+            member.connect()
+        assert time.monotonic() - started < 3.0
+    finally:
+        store.close()
+
+
+def test_a_side_group_started_again_and_again_leaves_the_store_as_it_found_it():
+    """The store outlives a side group restarted alone: each launch's group rank 0
+    deletes the previous launch's keys (arrival counts, gloo addresses, answers), so the
+    keys stay flat over restarts instead of growing by a launch's worth each time."""
+    port = free_port()
+    store = GlooTransport("127.0.0.1", port, 0, 0, 2, True, 5.0, 5.0)
+    store.open_store()
+    counts = []
+    try:
+        for _ in range(4):
+            members = [_side_member(port, r) for r in (0, 1)]
+            errors = []
+
+            def connect(t, errors=errors):
+                try:
+                    t.connect()
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=connect, args=(t,)) for t in members]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+            for t in members:
+                t.close()
+            keys = store._store.list_keys()
+            counts.append(sum(k.startswith("afd/gside/") for k in keys))
+        launches = {k.split("/")[2] for k in keys if k.startswith("afd/gside/")}
+        launches -= {"launch", "ask", "answer"}
+        assert len(launches) == 1, sorted(keys)  # only the last launch's keys are left
+        assert counts[1] == counts[2] == counts[3], counts
+    finally:
+        store.close()

@@ -32,7 +32,7 @@ from abc import abstractmethod
 
 from afd_core.connectors.admission.ffn_return import AwaitingFFN, FFNReturnWatch
 from afd_core.connectors.admission.group_epoch import GroupEpochs
-from afd_core.connectors.admission.membership import StartupMembership
+from afd_core.connectors.admission.membership import FAILED_KEY, StartupMembership
 from afd_core.connectors.admission.rejoin import Rejoining, RejoinWatch
 from afd_core.connectors.base import (
     ATTENTION_WAIT_FACTOR,
@@ -145,6 +145,7 @@ class PointToPointConnector(
         members wait up to connect_scale times the connect timeout for each other."""
         transport = self._build_transport(name, group_rank, group_size, False, connect_scale)
         transport.fresh_launch = group_size > 1  # the store may outlive the group's members
+        transport.fail_key = FAILED_KEY  # a member whose deployment failed stops at once
         return transport
 
     def _build_transport(self, group, group_rank, group_size, store_master, connect_scale):

@@ -264,7 +264,7 @@ class StoreTransport(Transport):
 
     def join_group(self, fail_key: str | None = None) -> None:
         if self.fresh_launch:
-            self._agree_launch()
+            self._agree_launch(fail_key)
         prefix = self.group_prefix
         # Wait for the whole group in the store first: members start minutes apart (model
         # loading), and a gloo group would apply its short step timeout to that wait.
@@ -284,25 +284,34 @@ class StoreTransport(Transport):
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ) from None
 
-    def _agree_launch(self) -> None:
+    def _agree_launch(self, fail_key: str | None) -> None:
         """A side group's members meet under a prefix of this launch's own. The store (in
         FFN rank 0's process) outlives an FFN server restarted alone: under a fixed prefix
         the restarted members would find the dead launch's arrival count (the barrier
         passes at once) and its gloo keys (they connect to dead processes). Group rank 0
         names the launch with a new uuid; each other member asks with a token of its own
         and joins the launch that answers that token, which only a live group rank 0 can.
-        Group rank 0 deletes the previous launch's arrival keys."""
+        Group rank 0 deletes the previous launch's keys. Every wait stops at once, with
+        its reason, once `fail_key` is set (the deployment's start-up failed)."""
         base, me = self.group_prefix, self.group_rank
         deadline = self._deadline
+
+        def check(waiting_for: str) -> None:
+            if fail_key is not None and (reason := self.store_try_get(fail_key)) is not None:
+                raise TransportError(reason.decode())
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"group {self.group}: {waiting_for} within {self.connect_timeout_s:.0f}s"
+                )
+
         if me == 0:
             launch = uuid.uuid4().hex[:16]
             if (previous := self.store_try_get(f"{base}/launch")) is not None:
-                for key in ("arrived", "arrived/left"):
-                    self.store_delete(f"{base}/{previous.decode()}/{key}")
+                self._forget_launch(base, previous.decode())
             self._store.set(f"{base}/launch", launch.encode())
             prefix, asked = f"{base}/{launch}", {}
             # answer every member's latest ask until all arrived under this launch
-            while self._store.add(f"{prefix}/arrived", 0) < self.group_size - 1:
+            while (n := self._store.add(f"{prefix}/arrived", 0)) < self.group_size - 1:
                 for m in range(1, self.group_size):
                     token = self.store_try_get(f"{base}/ask/{m}")
                     if token is not None and asked.get(m) != token:
@@ -310,25 +319,30 @@ class StoreTransport(Transport):
                             self.store_delete(f"{base}/answer/{m}/{asked[m].decode()}")
                         self._store.set(f"{base}/answer/{m}/{token.decode()}", launch.encode())
                         asked[m] = token
-                if time.monotonic() > deadline:
-                    raise TransportError(
-                        f"group {self.group}: only {self._store.add(f'{prefix}/arrived', 0)} "
-                        f"of {self.group_size - 1} other members joined its launch within "
-                        f"{self.connect_timeout_s:.0f}s"
-                    )
+                check(f"only {n} of {self.group_size - 1} other members joined its launch")
                 time.sleep(0.05)
         else:
             token = uuid.uuid4().hex[:16]
             self._store.set(f"{base}/ask/{me}", token.encode())
             while (launch := self.store_try_get(f"{base}/answer/{me}/{token}")) is None:
-                if time.monotonic() > deadline:
-                    raise TransportError(
-                        f"group {self.group}: its group rank 0 did not answer within "
-                        f"{self.connect_timeout_s:.0f}s (not started, or gone)"
-                    )
+                check("its group rank 0 did not answer (not started, or gone)")
                 time.sleep(0.05)
             launch = launch.decode()
         self.group_prefix = f"{base}/{launch}"
+
+    def _forget_launch(self, base: str, previous: str) -> None:
+        """Delete a dead launch's keys: its arrival counts, its gloo channels' addresses
+        and the answers to its members, so a side group restarted any number of times
+        leaves the store as it found it. A member of the new launch asks before or after
+        this; its answer is written only after it, so nothing of the new launch is lost."""
+        stale = (f"{base}/{previous}/", f"{base}/answer/")
+        try:
+            keys = self._store.list_keys()
+        except Exception:  # noqa: BLE001 - a store without listing: the counts at least
+            keys = [f"{base}/{previous}/arrived", f"{base}/{previous}/arrived/left"]
+        for key in keys:
+            if key.startswith(stale):
+                self.store_delete(key)
 
     def barrier(
         self,

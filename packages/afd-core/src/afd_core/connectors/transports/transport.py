@@ -48,10 +48,13 @@ class Transport(ABC):
     # how long open_store waits for the rendezvous (FFN rank 0 may still be loading its
     # weights): the connector's startup_timeout_s; None: connect_timeout_s
     formation_timeout_s: float | None = None
+    # the store key whose value (why the deployment's start-up failed) stops `connect`'s
+    # waits at once; None: only the group's own bounds stop them
+    fail_key: str | None = None
 
     def connect(self) -> None:
         self.open_store()
-        self.join_group()
+        self.join_group(fail_key=self.fail_key)
 
     @abstractmethod
     def open_store(self) -> None:
