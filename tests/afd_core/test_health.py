@@ -5,6 +5,7 @@ route's behaviour is pinned against vLLM 0.32's own handler."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from types import SimpleNamespace
 
@@ -146,3 +147,113 @@ def test_a_server_spanning_hosts_is_not_ready_while_another_hosts_rank_is_down(
     (gone,) = metrics.ffn_ranks_gone()
     assert gone.startswith("attention rank 1 (another host's) has not reported for "), gone
     assert _vllm_health_status(AsyncLLM()) == 503
+
+
+# -- a stuck engine (afd_core/stuck.py) ------------------------------------------------------
+def test_a_stuck_engine_is_one_whose_requests_wait_with_no_step_for_stuck_after_s():
+    from afd_core.stuck import StuckWatch
+
+    watch = StuckWatch(10.0)
+    assert watch.check(0, 100.0, 500.0) is None  # idle: no step for long is fine
+    assert watch.check(2, 100.0, 500.0) is None  # requests seen: their wait starts now
+    assert watch.check(2, 100.0, 510.0) is None  # within the bound
+    why = watch.check(2, 100.0, 511.0)
+    assert why.startswith("no step ended on any attention rank for 11 s while 2 request(s)")
+    assert "stuck_after_s=10" in why
+    assert watch.check(2, 511.5, 512.0) is None  # a step ended: moving again
+    assert watch.check(1, 511.5, 521.0) is None  # 9.5 s since that step: within the bound
+    assert watch.check(1, 511.5, 522.0) is not None
+    assert watch.check(0, 511.5, 600.0) is None  # done: the wait is over
+    assert watch.check(1, 511.5, 601.0) is None  # a new request waits from its first check
+    assert StuckWatch(0.0).check(5, 0.0, 1e9) is None  # 0 turns the check off
+    assert StuckWatch(10.0).check(5, None, 1e9) is None  # no rank published yet
+
+
+def test_every_api_process_sees_the_stuck_engine_once_the_one_holding_requests_was_checked(
+    tmp_path,
+):
+    """With --api-server-count 2 a check lands on either process; only one holds the
+    requests. Its report in the metrics directory makes the other answer alike, until a
+    step ends after that report."""
+    from afd_core.stuck import StuckWatch, Waiting, read_reports
+
+    holder, other = StuckWatch(10.0, str(tmp_path)), StuckWatch(10.0, str(tmp_path))
+    assert holder.check(3, 100.0, 200.0) is None  # reports: 3 waiting since 200
+    assert read_reports(str(tmp_path), lambda pid: True) == []  # not its own (one pid here)
+    mine = Waiting(**json.loads((tmp_path / f"api-{os.getpid()}.waiting").read_text()))
+    assert (mine.unfinished, mine.since, mine.checked_at) == (3, 200.0, 200.0)
+    assert other.check(0, 100.0, 209.0, [mine]) is None
+    why = other.check(0, 100.0, 211.0, [mine])
+    assert why is not None and "while 3 request(s) wait" in why
+    # a step ended after the holder's report: the engine moved on, the report is outdated
+    assert other.check(0, 205.0, 300.0, [mine]) is None
+
+
+def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
+    tmp_path, monkeypatch, patch_health
+):
+    """The patch reads the attention server's afd config (stuck_after_s) and vLLM's
+    output processor (this API process's unfinished requests)."""
+    import time
+
+    from afd_core.metrics import server_processes
+
+    config = {
+        "role": "attention",
+        "connector": "gloo",
+        "connector_extra_config": {"stuck_after_s": 5},
+    }
+
+    class Outputs:
+        unfinished = 0
+
+        def get_num_unfinished_requests(self):
+            return self.unfinished
+
+    class AsyncLLM:
+        vllm_config = SimpleNamespace(additional_config={"afd": config})
+
+        def __init__(self):
+            self.output_processor = Outputs()
+
+        async def check_health(self):
+            return None
+
+    patch_health(AsyncLLM)
+    monkeypatch.setattr(metrics, "_registered", AFDCollector(str(tmp_path), os.getpid()))
+    assert server_processes()[0] == str(tmp_path)
+    engine = AsyncLLM()
+    rank = RoleMetrics("attention", 0, str(tmp_path))
+    rank.set_peers([0], True)
+    rank.last_step_at = time.time() - 100  # idle for long
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 200
+    engine.output_processor.unfinished = 1
+    assert _vllm_health_status(engine) == 200  # the first check that sees it
+    engine._afd_stuck_watch.waiting_since -= 6  # as if seen 6 s ago
+    assert _vllm_health_status(engine) == 503
+    rank.count_step(failed=False)
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 200
+
+    class FFN(AsyncLLM):  # an FFN server's API process holds no requests: no watch
+        vllm_config = SimpleNamespace(additional_config={"afd": {**config, "role": "ffn"}})
+
+    ffn = FFN()
+    assert _vllm_health_status(ffn) == 200 and ffn._afd_stuck_watch is None
+
+
+def test_vllms_api_process_counts_its_unfinished_requests_where_the_patch_reads_them():
+    """Pinned against vLLM 0.32: AsyncLLM keeps its OutputProcessor as output_processor,
+    and its vllm_config, which the patch reads."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    init = inspect.getsource(AsyncLLM.__init__)
+    assert "self.output_processor = OutputProcessor(" in init
+    assert "self.vllm_config = vllm_config" in init
+    processor = OutputProcessor.__new__(OutputProcessor)
+    processor.request_states = {"a": object(), "b": object()}
+    assert processor.get_num_unfinished_requests() == 2

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 
 ARCH = "qwen3_moe"
 SCRAPES = 8
+STUCK_S = 4  # the attention server's stuck_after_s
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def deployment(checkpoints, log_dir):
         log_dir,
         attention_backend=BACKENDS[ARCH],
         attention_args=["--api-server-count", "2"],
-        afd_extra={"connector_extra_config": {"timeout_s": 30}},
+        afd_extra={"connector_extra_config": {"timeout_s": 30, "stuck_after_s": STUCK_S}},
         tag=f"{ARCH}-2api-",
     )
     att = d["attention"]
@@ -122,10 +123,12 @@ def engine_core(server) -> psutil.Process:
     return core
 
 
-def test_a_stuck_engine_shows_in_the_last_step_age_not_in_health(deployment):
-    """The attention engine core stopped (SIGSTOP) mid-generation: its rank's last step
-    ages while vLLM still reports the request running (what the AFDStepStuck alert
-    combines); /health answers 200 (vLLM's check reads a flag, AFD's a peer lost)."""
+def test_a_stuck_engine_answers_503_on_every_api_process_and_200_once_it_steps(deployment):
+    """The attention engine core stopped (SIGSTOP) mid-generation: every API process's
+    /health answers 503 once the request waited stuck_after_s (STUCK_S) with no step
+    (afd_core/stuck.py: the process holding the request tells the other), its rank's
+    last step ages while vLLM still reports the request running (what the AFDStepStuck
+    alert combines); resumed (SIGCONT), the request completes and /health answers 200."""
     att = deployment["attention"]
     outcome = {}
     thread = threading.Thread(
@@ -135,19 +138,24 @@ def test_a_stuck_engine_shows_in_the_last_step_age_not_in_health(deployment):
     core = engine_core(att)
     time.sleep(2.0)  # mid-generation, and vLLM's stats of it published
     core.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
-        time.sleep(8.0)
+        while att.health_status() != 503:
+            assert time.monotonic() - stopped < STUCK_S + 10, att.log_tail(60)
+            time.sleep(0.25)
+        print(f"/health 503 {time.monotonic() - stopped:.1f} s after the stop")
+        assert [att.health_status() for _ in range(SCRAPES)] == [503] * SCRAPES
         for _ in range(SCRAPES):
             s = samples(att.url)
-            assert value(s, "afd_last_step_age_seconds", role="attention", rank=0) >= 6.0, s
+            assert value(s, "afd_last_step_age_seconds", role="attention", rank=0) > STUCK_S, s
             assert value(s, "vllm:num_requests_running") == 1.0
-        assert all(att.health_status() == 200 for _ in range(SCRAPES))
     finally:
         core.send_signal(signal.SIGCONT)
     thread.join(120)
     assert "ok" in outcome, att.log_tail(60)
     time.sleep(1.5)
     assert value(samples(att.url), "afd_last_step_age_seconds", role="attention", rank=0) < 3
+    assert [att.health_status() for _ in range(SCRAPES)] == [200] * SCRAPES
 
 
 def test_every_api_server_process_answers_503_once_the_ffn_rank_is_lost(deployment):

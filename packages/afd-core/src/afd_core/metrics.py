@@ -605,6 +605,26 @@ def unserved_attention_ranks() -> list[tuple[int, str]]:
     return gone
 
 
+def last_attention_step_at() -> float | None:
+    """When the latest step of any of this server's attention ranks ended (time.time()), as
+    their snapshots show it; None in a process that registered no collector, or before
+    any rank published."""
+    if _registered is None:
+        return None
+    ends = [
+        float(s["last_step_at"]) for s in _registered._snapshots() if s.get("role") == "attention"
+    ]
+    return max(ends, default=None)
+
+
+def server_processes() -> tuple[str, Callable[[int], bool]] | None:
+    """(this server's metrics directory, whether a pid is one of its live processes) for
+    the collector this process registered; None without one."""
+    if (collector := _registered) is None:
+        return None
+    return collector.directory, lambda pid: _descends_from(pid, collector.root_pid)
+
+
 def register_collector(root_pid: int | None = None) -> None:
     """In a server's processes: make the metrics directory, and serve the AFD ranks'
     snapshots on prometheus_client's default registry (the one vLLM's /metrics serves
