@@ -344,14 +344,17 @@ def test_an_expert_group_losing_one_member_fails_its_peers_steps_and_reforms_whe
     assert served < GRACE_S + 10, served
 
 
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
 def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_store_lives(
-    tmp_path, monkeypatch
+    connector, tmp_path, monkeypatch
 ):
     """3A3F-like: FFN server 0 is FFN rank 0 alone (it hosts the store) serving attention
     rank 0; FFN server 1 is FFN ranks 1-2, an expert group, serving attention ranks 1-2 (one
     attention server). FFN rank 2 dies, FFN rank 1 exits on its group's error; ranks 1-2
     are restarted alone (the store and its keys of the old group live on): attention rank 0
     is served throughout, attention ranks 1-2 fail their steps and are served again."""
+    if connector == "nccl":  # the device connector over its CPU stand-in
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
     monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
     for rank in (1, 2):
         (tmp_path / f"losses-att{rank}").write_text("1")
@@ -450,14 +453,17 @@ def tp_ffn(tp_rank, port, marks, incarnation, q):
         q.put((name, "ERROR " + traceback.format_exc()))
 
 
+@pytest.mark.parametrize("connector", ["gloo", "nccl"])
 def test_an_ffn_rank_above_0_with_tensor_parallelism_losing_a_follower_reforms_when_restarted(
-    tmp_path, monkeypatch
+    connector, tmp_path, monkeypatch
 ):
     """2A2F whose FFN server 1 is FFN rank 1 with tensor parallelism 2 (a leader and a
     follower; FFN rank 0 holds the store): the follower dies in a step, the leader gets its
     TP group's error and exits; both are restarted alone (the store and the old TP group's
     keys live on): attention rank 0 is served throughout, attention rank 1 fails its steps
     and is served again, the restarted follower computing every layer with its leader."""
+    if connector == "nccl":  # the device connector over its CPU stand-in
+        monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
     monkeypatch.setenv("AFD_TEST_RECOVERY_GRACE_S", str(GRACE_S))
     (tmp_path / "losses-att1").write_text("1")
     port = free_port()

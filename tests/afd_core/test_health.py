@@ -236,11 +236,51 @@ def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
     rank.publish(now=True)
     assert _vllm_health_status(engine) == 200
 
-    class FFN(AsyncLLM):  # an FFN server's API process holds no requests: no watch
-        vllm_config = SimpleNamespace(additional_config={"afd": {**config, "role": "ffn"}})
 
-    ffn = FFN()
-    assert _vllm_health_status(ffn) == 200 and ffn._afd_stuck_watch is None
+def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
+    tmp_path, monkeypatch, patch_health
+):
+    """An FFN server's ranks publish the step in flight and its waits' bound: /health
+    answers 503 once a rank has been in it longer than the bound plus stuck_after_s (a
+    stalled attention peer is dropped within the bound: longer, the rank itself is stuck),
+    200 once the step ends."""
+    import time
+
+    class AsyncLLM:
+        vllm_config = SimpleNamespace(
+            additional_config={
+                "afd": {
+                    "role": "ffn",
+                    "connector": "gloo",
+                    "connector_extra_config": {"stuck_after_s": 5},
+                }
+            }
+        )
+
+        async def check_health(self):
+            return None
+
+    patch_health(AsyncLLM)
+    monkeypatch.setattr(metrics, "_registered", AFDCollector(str(tmp_path), os.getpid()))
+    engine = AsyncLLM()
+    rank = RoleMetrics("ffn", 1, str(tmp_path))
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 200  # idle between steps, however long
+    rank.begin_step(3.0)
+    rank.step_started_at = time.time() - 7.5  # within 3 + 5 s
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 200
+    rank.step_started_at = time.time() - 8.5
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 503
+    with pytest.raises(
+        Exception,
+        match=r"FFN rank 1 has been in one step for \d+ s \(its waits' bound 3 s \+ stuck_after_s=5\)",
+    ):
+        asyncio.run(engine.check_health())
+    rank.count_step(failed=False)
+    rank.publish(now=True)
+    assert _vllm_health_status(engine) == 200
 
 
 def test_vllms_api_process_counts_its_unfinished_requests_where_the_patch_reads_them():

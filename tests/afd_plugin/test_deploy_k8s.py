@@ -385,9 +385,13 @@ def test_probes_do_not_depend_on_peers_and_the_startup_budget_covers_their_loadi
         assert c["startupProbe"]["failureThreshold"] == want
         assert c["startupProbe"]["periodSeconds"] == 10
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        # /health answers 503 while a peer is lost: liveness looks at the API port only
-        assert c["livenessProbe"]["tcpSocket"] == {"port": "http"}
         assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] == 60
+        assert c["livenessProbe"]["timeoutSeconds"] == 5
+    # an attention server's /health answers 503 while its FFN rank is lost: its liveness
+    # looks at the API port only; an FFN server's /health is 503 only when it is dead or
+    # stuck, which a restart heals
+    assert head["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    assert ffn["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert not {"readinessProbe", "startupProbe", "livenessProbe"} & set(worker)
     assert _container_env(head, "10.1.1.1")["SOME_FLAG"] == "x$(POD_IP)$$y"  # escaped, not expanded
     raw = example()  # connect_timeout_s 600 in its [afd]

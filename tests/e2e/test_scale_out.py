@@ -6,22 +6,36 @@ of one on this machine, and each extra deployment costs minutes):
 * two FFN servers (FFN ranks 0 and 1), FFN rank 0 sharded over tensor parallel 2;
 * FFN rank 0 serving attention ranks from two servers (2A1F across servers), FFN rank 1
   serving one server's two data-parallel ranks.
+Then FFN rank 0's TP follower is stopped: FFN server 0's /health answers 503 (stuck).
 Then a deployment whose second FFN and second attention server never start: both servers
 that did start fail within the connect timeout, naming FFN rank 1 and attention rank 1.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
+import psutil
 import pytest
 
-from afd_plugin.deploy.servers import running, scale_out_deployment
-from tests.e2e.conftest import DEV_MODE, assert_same, reference, rpc, run_prompts, with_reference
+from afd_plugin.deploy.servers import complete, running, scale_out_deployment
+from tests.e2e.conftest import (
+    DEV_MODE,
+    PROMPTS,
+    assert_same,
+    reference,
+    rpc,
+    run_prompts,
+    with_reference,
+)
 
 pytestmark = pytest.mark.e2e
 
 ARCH = "qwen3_moe"
+TIMEOUT_S = 10  # every step's waits (start-up steps have their own bound)
+STUCK_S = 3  # stuck_after_s
 
 
 def test_three_attention_ranks_on_two_servers_two_ffn_servers_one_over_tp2(checkpoints, log_dir):
@@ -31,20 +45,66 @@ def test_three_attention_ranks_on_two_servers_two_ffn_servers_one_over_tp2(check
     other DP rank of a server whose ranks step in lockstep over two FFN ranks."""
     model = str(checkpoints(ARCH))
     afd = scale_out_deployment(
-        model, log_dir, attention=[1, 2], ffn=[2, 1], env=DEV_MODE, tag=f"{ARCH}-3a2f-"
+        model,
+        log_dir,
+        attention=[1, 2],
+        ffn=[2, 1],
+        afd_extra={"connector_extra_config": {"timeout_s": TIMEOUT_S, "stuck_after_s": STUCK_S}},
+        env=DEV_MODE,
+        tag=f"{ARCH}-3a2f-",
     )
     servers = with_reference(ARCH, model, log_dir, afd)
     with running(servers, timeout=600):
         ref = reference(ARCH, servers)
         for att in [s for s in servers if "attention" in s.spec.name]:
             assert_same(ref, run_prompts(att.url))
-        ffn0 = next(s for s in servers if s.spec.name.endswith("ffn0"))
+        ffn0, ffn1 = (next(s for s in servers if s.spec.name.endswith(f"ffn{i}")) for i in (0, 1))
         leader, follower = rpc(ffn0.url, "afd_step_stats")
+        _a_stopped_tp_worker_makes_its_ffn_server_unhealthy(ffn0, ffn1, servers)
     # TP rank 0 exchanged with attention ranks 0 and 1; TP rank 1 computed every layer with it
     ranks = [(w["rank"], w["tp_rank"]) for w in (leader, follower)]
     assert ranks == [(0, 0), (0, 1)], ranks
     assert leader["steps"] > 0 and leader["failed"] == 0, leader
     assert follower["tp_computations"] == leader["tp_computations"] > 0, (leader, follower)
+
+
+def _a_stopped_tp_worker_makes_its_ffn_server_unhealthy(ffn0, ffn1, servers) -> None:
+    """FFN rank 0's TP follower stopped (SIGSTOP: a worker hung or cut off) mid-generation:
+    the leader is held in vLLM's TP collective for good, and FFN server 0's /health answers
+    503 once that step lasted its bound plus stuck_after_s (afd_core/stuck.py), so an
+    orchestrator restarts it (`afd k8s` probes an FFN server's liveness there); FFN server
+    1's /health stays 200. Last: the deployment is torn down after it."""
+    att0 = next(s for s in servers if s.spec.name.endswith("attention0"))
+    (worker,) = [
+        p
+        for p in psutil.Process(ffn0.proc.pid).children(recursive=True)
+        if "Worker_TP1" in " ".join(p.cmdline())
+    ]
+    assert ffn0.health_status() == ffn1.health_status() == 200
+    load = threading.Thread(target=lambda: _try(complete, att0.url, PROMPTS[0], 400), daemon=True)
+    loaded = time.monotonic()  # the deployment was idle: the stuck step begins after this
+    load.start()
+    time.sleep(1.0)
+    worker.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while ffn0.health_status() != 503:
+            assert time.monotonic() - stopped < TIMEOUT_S + STUCK_S + 15, ffn0.log_tail(40)
+            time.sleep(0.5)
+        took = time.monotonic() - stopped
+        print(f"FFN server 0's /health 503 {took:.1f} s after its TP follower stopped")
+        assert time.monotonic() - loaded > TIMEOUT_S + STUCK_S  # not before the bound passed
+        assert ffn1.health_status() == 200
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    load.join(60)
+
+
+def _try(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - its step may fail: the FFN rank is stuck
+        pass
 
 
 CONNECT_TIMEOUT_S = 20

@@ -140,6 +140,10 @@ class RoleMetrics:
         self.bytes_sent: dict[int, int] = {}  # peer -> bytes of the steps' payload
         self.bytes_received: dict[int, int] = {}
         self.last_step_at = time.time()  # when the last step ended (before one: the start)
+        # the step in flight (FFN side): when it began and its waits' bound, for /health's
+        # stuck check (afd_core/stuck.py); None between steps
+        self.step_started_at: float | None = None
+        self.step_bound_s = 0.0
         self.counters = {
             "steps": 0,
             "failed_steps": 0,
@@ -165,8 +169,15 @@ class RoleMetrics:
         for peer in peers:
             self.peer_up[peer] = int(up)
 
+    def begin_step(self, bound_s: float) -> None:
+        """A step began whose every wait is bounded by `bound_s`; published (within
+        PUBLISH_INTERVAL_S), so a rank stuck in it shows it."""
+        self.step_started_at, self.step_bound_s = time.time(), bound_s
+        self.publish()
+
     def count_step(self, failed: bool, duration_s: float | None = None) -> None:
         """A step ended (`duration_s`: from its start, where it had one); not published."""
+        self.step_started_at = None
         self.counters["steps"] += 1
         self.counters["failed_steps"] += failed
         if duration_s is not None:
@@ -190,6 +201,8 @@ class RoleMetrics:
             "bytes_sent": {str(p): v for p, v in dict(self.bytes_sent).items()},
             "bytes_received": {str(p): v for p, v in dict(self.bytes_received).items()},
             "last_step_at": self.last_step_at,
+            "step_started_at": self.step_started_at,
+            "step_bound_s": self.step_bound_s,
             "peer_up": {str(p): v for p, v in dict(self.peer_up).items()},
         }
 
@@ -605,16 +618,19 @@ def unserved_attention_ranks() -> list[tuple[int, str]]:
     return gone
 
 
+def role_snapshots(role: str) -> list[dict]:
+    """The snapshots of this server's ranks of `role` (its own and those relayed from its
+    other hosts); [] in a process that registered no collector."""
+    if _registered is None:
+        return []
+    return [s for s in _registered._snapshots() if s.get("role") == role]
+
+
 def last_attention_step_at() -> float | None:
     """When the latest step of any of this server's attention ranks ended (time.time()), as
     their snapshots show it; None in a process that registered no collector, or before
     any rank published."""
-    if _registered is None:
-        return None
-    ends = [
-        float(s["last_step_at"]) for s in _registered._snapshots() if s.get("role") == "attention"
-    ]
-    return max(ends, default=None)
+    return max((float(s["last_step_at"]) for s in role_snapshots("attention")), default=None)
 
 
 def server_processes() -> tuple[str, Callable[[int], bool]] | None:

@@ -1,7 +1,15 @@
-"""A stuck attention engine, as its API server processes see it: alive (vLLM's `errored`
-flag unset, its ranks' peers up) but no rank of the server ends a step while requests wait,
-for longer than `stuck_after_s` (connector_extra_config). The health patch answers 503 for
-it (patches/health.py).
+"""A stuck engine, as its server's API processes see it: alive (vLLM's `errored` flag
+unset, its ranks' peers up) but not moving, for longer than `stuck_after_s`
+(connector_extra_config). The health patch answers 503 for it (patches/health.py).
+
+An FFN server is stuck when one of its FFN ranks has been in one step longer than that
+step's waits' bound plus stuck_after_s (`ffn_steps_stuck`): a wait for a stalled attention
+peer ends within the bound (the peer is dropped), so a step that lasts longer does not move
+by itself (hung in its compute or in a collective of its group, e.g. a tensor-parallel
+worker stopped or cut off, or the process stopped).
+
+An attention server is stuck when no rank of the server ends a step while requests wait
+(`StuckWatch`).
 
 Only an API process knows its own unfinished requests. With `--api-server-count` above 1 a
 health check lands on any of them, so each check also writes what this process saw (its
@@ -98,3 +106,20 @@ def read_reports(directory: str, belongs) -> list[Waiting]:
         if w.pid != os.getpid() and belongs(w.pid):
             found.append(w)
     return found
+
+
+def ffn_steps_stuck(snapshots: list[dict], after_s: float, now: float) -> list[str]:
+    """Why each FFN rank in `snapshots` (their afd_core.metrics snapshots) is stuck."""
+    if after_s <= 0:
+        return []
+    stuck = []
+    for snap in snapshots:
+        if (started := snap.get("step_started_at")) is None:
+            continue
+        bound = float(snap.get("step_bound_s", 0.0))
+        if (lasted := now - float(started)) > bound + after_s:
+            stuck.append(
+                f"FFN rank {snap['rank']} has been in one step for {lasted:.0f} s (its waits' "
+                f"bound {bound:g} s + stuck_after_s={after_s:g}): hung or stopped"
+            )
+    return stuck

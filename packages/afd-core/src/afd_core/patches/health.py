@@ -1,4 +1,5 @@
-"""Patch `health`: an attention server reports not ready while no FFN rank serves it.
+"""Patch `health`: an attention server reports not ready while no FFN rank serves it, and
+any AFD server while its engine is stuck.
 
 vLLM's `/health` answers 503 only when `AsyncLLM.check_health` raises EngineDeadError, and
 vLLM 0.32's check looks at nothing but its own `errored` flag
@@ -10,9 +11,10 @@ own check, it raises EngineDeadError while any of the server's attention ranks s
 `afd_peer_up` 0 for its FFN rank on /metrics (the snapshots of afd_core.metrics). The
 engine is not marked dead: /health answers 200 again once the FFN rank is back.
 
-It also raises while the engine is stuck: alive (vLLM's flag unset, its peers up) but no
-rank of the server ends a step while requests wait, for longer than `stuck_after_s`
-(afd_core/stuck.py, which every API process of the server answers alike).
+On any AFD server it also raises while the engine is stuck: alive (vLLM's flag unset, its
+peers up) but not moving for longer than `stuck_after_s` (afd_core/stuck.py: an FFN rank
+in one step past its bound, or an attention server whose requests wait while no rank
+steps; every API process of the server answers alike).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from afd_core.registration import StepStatus
 
 INFO = PatchInfo(
     name="health",
-    why="an attention server's /health answers 503 while no FFN rank serves it, and while "
-    "its engine is stuck (requests wait, no rank steps)",
+    why="an attention server's /health answers 503 while no FFN rank serves it, and any AFD "
+    "server's while its engine is stuck (alive, not stepping)",
     replaces=("vllm.v1.engine.async_llm.AsyncLLM.check_health",),
     remove_when="vLLM's health check can ask a plugin or the engine core whether it is ready",
 )
@@ -33,38 +35,38 @@ INFO = PatchInfo(
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 
 
-def stuck_watch_for(vllm_config):
-    """An attention server's StuckWatch, from its afd config; None elsewhere."""
-    from afd_core.config import parse_optional_afd_config
-    from afd_core.stuck import StuckWatch
-
-    config = parse_optional_afd_config(getattr(vllm_config, "additional_config", None))
-    if config is None or not config.is_attention:
-        return None
-    return StuckWatch(config.extra().stuck_after_s)
-
-
 def _patch(module) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
+    from afd_core.config import parse_optional_afd_config
     from afd_core.log import get_logger
-    from afd_core.metrics import ffn_ranks_gone, last_attention_step_at, server_processes
-    from afd_core.stuck import read_reports
+    from afd_core.metrics import (
+        ffn_ranks_gone,
+        last_attention_step_at,
+        role_snapshots,
+        server_processes,
+    )
+    from afd_core.stuck import StuckWatch, ffn_steps_stuck, read_reports
 
     logger = get_logger(__name__)
     async_llm = module.AsyncLLM
     original = async_llm.check_health
 
     def stuck(engine) -> list[str]:
-        if (watch := engine.__dict__.get("_afd_stuck_watch", False)) is False:
-            watch = engine._afd_stuck_watch = stuck_watch_for(getattr(engine, "vllm_config", None))
-        if watch is None:
+        if (config := engine.__dict__.get("_afd_config", False)) is False:
+            additional = getattr(getattr(engine, "vllm_config", None), "additional_config", None)
+            config = engine._afd_config = parse_optional_afd_config(additional)
+            engine._afd_stuck_watch = StuckWatch(config.extra().stuck_after_s) if config else None
+        if config is None:
             return []
+        watch, now = engine._afd_stuck_watch, time.time()
+        if config.is_ffn:
+            return ffn_steps_stuck(role_snapshots("ffn"), watch.after_s, now)
         unfinished = engine.output_processor.get_num_unfinished_requests()
         server = server_processes()  # the collector may come after the first check
         watch.directory = server[0] if server else None
         others = read_reports(*server) if server else []
-        why = watch.check(unfinished, last_attention_step_at(), time.time(), others)
+        why = watch.check(unfinished, last_attention_step_at(), now, others)
         return [why] if why else []
 
     async def check_health(self) -> None:

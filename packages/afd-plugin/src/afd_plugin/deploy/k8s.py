@@ -440,11 +440,13 @@ def _pod_template(
             "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
         }
         container["readinessProbe"] = health | {"periodSeconds": PROBE_PERIOD_S}
-        # the API port, not /health: /health answers 503 while a peer is lost, by design
-        container["livenessProbe"] = {
-            "tcpSocket": {"port": "http"},
+        # an attention server's /health answers 503 while its FFN rank is lost, by design:
+        # its liveness is the API port. An FFN server's answers 503 only for a dead or
+        # stuck engine (an FFN rank in one step past its bound: afd_core/stuck.py), which
+        # a restart is what heals
+        alive = health if role == "ffn" else {"tcpSocket": {"port": "http"}, "timeoutSeconds": 5}
+        container["livenessProbe"] = alive | {
             "periodSeconds": PROBE_PERIOD_S,
-            "timeoutSeconds": 5,
             "failureThreshold": LIVENESS_FAILURES,
         }
     init = {

@@ -83,6 +83,7 @@ class FFNStepAssembly:
         self._send_order = FFNOrder(n_mb, "send")
         self._busy_since = now()
         self.metrics.add("ffn_idle_seconds", self._busy_since - waiting_since)
+        self.metrics.begin_step(self._transport.timeout_s)  # as _bound_step set it
         for mb_rows in rows:
             self.metrics.rows.observe(sum(mb_rows))
         return self._plan
