@@ -1,11 +1,10 @@
-"""AFD across hosts, end to end: three hosts (network namespaces on one bridge,
+"""AFD across hosts, end to end: four hosts (network namespaces on one bridge,
 tests/netns.py), each running its part of one deployment spec with `afd launch SPEC --host
-NAME`: 2A1F with the attention server's data-parallel group across two hosts (head with
-the API server, the other headless: vLLM's multi-node flags) and the FFN server on the
-third; 2A2F with the FFN server's expert group (two FFN ranks) across two hosts. Greedy
-tokens identical to the colocated server's; the head of the server spanning hosts shows the
-other host's rank on its /metrics (relayed through the rendezvous store) and stays
-healthy. The deployment has a secret: a fourth host without it is refused at the
+NAME`: 2A2F with both servers spanning two hosts, the attention server's data-parallel
+group (head with the API server, the other headless: vLLM's multi-node flags) and the FFN
+server's expert group (two FFN ranks). Greedy tokens identical to the colocated server's;
+the head of each server spanning hosts shows the other host's rank on its /metrics
+(relayed through the rendezvous store), and the attention server stays healthy. The deployment has a secret: a fourth host without it is refused at the
 rendezvous (a raw store client, and an AFD rank), and nothing of AFD listens anywhere but
 on each host's address."""
 
@@ -78,31 +77,9 @@ while not all(rank_steps(url, role).get(r, 0) > 0 for r in ranks):
 print(json.dumps(rank_steps(url, role)))
 """
 
-# layout -> (host names, the servers' TOML; the first host holds FFN rank 0, the client
-# talks to the attention server's head on `API_HOST`)
-LAYOUTS = {
-    # the attention server's data-parallel group across two hosts, the FFN on a third
-    "2a1f-attention-dp-across-hosts": (
-        ("f", "a0", "a1"),
-        """
-[[servers]]
-name = "ffn0"
-role = "ffn"
-port = 8100
-hosts = "f"
-
-[[servers]]
-name = "attention0"
-role = "attention"
-port = 8000
-data_parallel_size = 2
-hosts = [{ host = "a0", ranks = 1 }, { host = "a1", ranks = 1 }]
-""",
-    ),
-    # the FFN server's expert group (two FFN ranks) across two hosts
-    "2a2f-ffn-expert-group-across-hosts": (
-        ("f0", "f1", "a0"),
-        """
+# the hosts (the first holds FFN rank 0) and the servers: each spans two hosts
+HOSTS = ("f0", "f1", "a0", "a1")
+SERVERS = """
 [[servers]]
 name = "ffn0"
 role = "ffn"
@@ -115,21 +92,11 @@ name = "attention0"
 role = "attention"
 port = 8000
 data_parallel_size = 2
-hosts = "a0"
-""",
-    ),
-}
-API_HOST = "a0"
-# layout -> the server spanning hosts: its head host, API port and role (its ranks 0, 1)
-SPANNING = {
-    "2a1f-attention-dp-across-hosts": ("a0", 8000, "attention"),
-    "2a2f-ffn-expert-group-across-hosts": ("f0", 8100, "ffn"),
-}
-
-
-def _spec(model: str, layout: str, machines, secret_file) -> str:
-    names, servers = LAYOUTS[layout]
-    return spec_text(model, dict(zip(names, machines, strict=True)), servers, secret_file)
+hosts = [{ host = "a0", ranks = 1 }, { host = "a1", ranks = 1 }]
+"""
+API_HOST = "a0"  # the attention server's head: the client talks to it
+# the servers spanning hosts: each one's head host, API port and role (its ranks 0, 1)
+SPANNING = [("a0", 8000, "attention"), ("f0", 8100, "ffn")]
 
 
 def spec_text(model: str, machines: dict, servers: str, secret_file=None) -> str:
@@ -171,20 +138,20 @@ def _in(host, *argv: str, timeout: float = 300) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
-    layout, checkpoints, log_dir, tmp_path
-):
+def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_dir, tmp_path):
     model = str(checkpoints(ARCH))
     colocated = with_reference(ARCH, model, log_dir, [])
-    names = LAYOUTS[layout][0]
-    # a fourth host outside the deployment: a stranger without the secret
-    with hosts(4, tag="afdmh") as (*machines, stranger), running(colocated, timeout=600):
+    names, layout = HOSTS, "2a2f"
+    # a fifth host outside the deployment: a stranger without the secret
+    with (
+        hosts(len(HOSTS) + 1, tag="afdmh") as (*machines, stranger),
+        running(colocated, timeout=600),
+    ):
         by_name = dict(zip(names, machines, strict=True))
         secret = tmp_path / "secret"
         secret.write_text(secrets.token_hex(32))
         spec = tmp_path / "deploy.toml"
-        spec.write_text(_spec(model, layout, machines, secret))
+        spec.write_text(spec_text(model, by_name, SERVERS, secret))
         launchers = []
         try:
             for name, host in by_name.items():
@@ -207,19 +174,22 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
                     assert p.poll() is None, (tmp_path / f"launch-{name}.log").read_text()[-3000:]
                 assert time.monotonic() - started < START_S, "not healthy in time"
                 time.sleep(2)
-            print(f"\n{layout}: three hosts healthy after {time.monotonic() - started:.0f} s")
+            print(f"\n{layout}: four hosts healthy after {time.monotonic() - started:.0f} s")
             # refused at the rendezvous across hosts, and the deployment serves on unchanged
             refused = _in(stranger, "-c", STRANGER_WITHOUT_SECRET, machines[0].address, "29650")
             rows = json.loads(_in(api, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
             got = [Completion(*row) for row in rows]
-            # the server spanning hosts: its head's /metrics shows both hosts' ranks, and
+            # each server spanning hosts: its head's /metrics shows both hosts' ranks, and
             # the attention server's /health stays 200 (the relayed rank reports on)
-            head, port, role = SPANNING[layout]
-            head_url = f"http://{by_name[head].address}:{port}"
-            t0 = time.monotonic()
-            steps = json.loads(_in(by_name[head], "-c", METRICS, head_url, role, "[0, 1]", "30"))
-            print(f"{layout}: {role} steps on {head}'s /metrics after "
-                  f"{time.monotonic() - t0:.1f} s: {steps}")  # fmt: skip
+            steps = {}
+            for head, port, role in SPANNING:
+                head_url = f"http://{by_name[head].address}:{port}"
+                t0 = time.monotonic()
+                steps[role] = json.loads(
+                    _in(by_name[head], "-c", METRICS, head_url, role, "[0, 1]", "30")
+                )
+                print(f"{layout}: {role} steps on {head}'s /metrics after "
+                      f"{time.monotonic() - t0:.1f} s: {steps[role]}")  # fmt: skip
             healthy = _in(api, "-c", HEALTH, url)
             # hosts running no API server: only AFD and vLLM's workers listen there
             quiet = [m for n, m in by_name.items() if n != API_HOST]
@@ -247,7 +217,8 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
         assert "STRANGER-REFUSED" in refused and "STRANGER-WROTE" not in refused, refused
         assert "NOSECRET-REFUSED" in refused and "requires the deployment secret" in refused
         assert_same(reference(ARCH, colocated), got)
-        assert steps.get("0", 0) > 0 and steps.get("1", 0) > 0, steps
+        for role_steps in steps.values():
+            assert role_steps.get("0", 0) > 0 and role_steps.get("1", 0) > 0, steps
         assert healthy == "200", healthy
         # every listener on the host's own address or loopback (AFD's secret gate: FFN rank
         # 0's store and each rank's forwarder to the gate), but vLLM's own torch.distributed
@@ -268,4 +239,4 @@ def test_afd_launch_on_three_hosts_gives_the_colocated_tokens(
                 assert a.startswith("127.") or a.rsplit(":", 1)[1] in vllm_ports, sockets
         assert all(str(port) in vllm_ports for _, port in answered), (answered, vllm_ports)
         assert f"{machines[0].address}:29650" in [a for a, _ in sockets[machines[0].name]]
-        assert [p.returncode for p in launchers] == [130, 130, 130]
+        assert [p.returncode for p in launchers] == [130] * len(HOSTS)
