@@ -297,3 +297,65 @@ def test_vllms_api_process_counts_its_unfinished_requests_where_the_patch_reads_
     processor = OutputProcessor.__new__(OutputProcessor)
     processor.request_states = {"a": object(), "b": object()}
     assert processor.get_num_unfinished_requests() == 2
+
+
+def test_a_rank_rewrites_its_snapshot_while_alive_and_stops_when_closed(tmp_path, monkeypatch):
+    """Idle or busy, a rank's own thread rewrites its snapshot every REFRESH_S: only a
+    stopped or hung process leaves it to age."""
+    import time
+
+    monkeypatch.setattr(metrics, "REFRESH_S", 0.2)
+    rank = RoleMetrics("ffn", 0, str(tmp_path))
+    rank.publish(now=True)
+    path = next(tmp_path.glob("ffn-0-*.json"))
+    first = json.loads(path.read_text())["published_at"]
+    time.sleep(0.7)  # no step, no publish
+    second = json.loads(path.read_text())["published_at"]
+    assert second > first
+    rank.close()
+    time.sleep(0.5)
+    assert json.loads(path.read_text())["published_at"] - second < 0.45  # at most one more
+
+
+def test_a_server_whose_rank_stopped_refreshing_answers_503(tmp_path, monkeypatch, patch_health):
+    """A rank's process stopped (SIGSTOP) or hung holding the interpreter, idle: its
+    snapshot ages past max(stuck_after_s, 3 x REFRESH_S); the FFN server answers 503."""
+    import time
+
+    from afd_core.stuck import ranks_not_refreshing
+
+    now = 1000.0
+    snaps = [
+        {"role": "ffn", "rank": 0, "published_at": now - 14},
+        {"role": "ffn", "rank": 1, "published_at": now - 16},
+        {"role": "ffn", "rank": 2, "published_at": None},  # relayed from a rank writing none
+    ]
+    (why,) = ranks_not_refreshing(snaps, 5.0, now)  # the bound: 3 x REFRESH_S = 15 s
+    assert why.startswith("ffn rank 1 has not refreshed its numbers for 16 s"), why
+    assert ranks_not_refreshing(snaps, 20.0, now) == []
+    assert ranks_not_refreshing(snaps, 0.0, now) == []  # off
+
+    class AsyncLLM:
+        vllm_config = SimpleNamespace(
+            additional_config={
+                "afd": {
+                    "role": "ffn",
+                    "connector": "gloo",
+                    "connector_extra_config": {"stuck_after_s": 20},
+                }
+            }
+        )
+
+        async def check_health(self):
+            return None
+
+    patch_health(AsyncLLM)
+    monkeypatch.setattr(metrics, "_registered", AFDCollector(str(tmp_path), os.getpid()))
+    rank = RoleMetrics("ffn", 0, str(tmp_path))
+    rank.close()  # no refresh thread: this test moves its time by hand
+    rank.publish(now=True)
+    engine = AsyncLLM()
+    assert _vllm_health_status(engine) == 200
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 21)
+    assert _vllm_health_status(engine) == 503

@@ -61,6 +61,10 @@ logger = get_logger(__name__)
 
 METRICS_DIR_ENV = envs.AFD_METRICS_DIR
 PUBLISH_INTERVAL_S = 1.0
+# a rank that wrote its snapshot rewrites it at least this often from a thread of its own,
+# idle or not: a snapshot much older than this is a process stopped (SIGSTOP) or hung
+# holding the interpreter (afd_core/stuck.py)
+REFRESH_S = 5.0
 # a relayed rank (another host's) whose snapshot has not changed for this long shows as down:
 # its snapshot is shared every PUBLISH_INTERVAL_S, so only a stopped process, host or store
 # (or one stalled that long) misses five in a row
@@ -161,6 +165,9 @@ class RoleMetrics:
         self._deferred: threading.Timer | None = None  # the held-back write, if one is due
         self._lock = threading.Lock()
         self.share: SnapshotShare | None = None  # set on a server spanning hosts
+        self.published_at: float | None = None  # the last write (time.time())
+        self._refresher: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def add(self, counter: str, amount: float = 1) -> None:
         self.counters[counter] += amount
@@ -204,6 +211,7 @@ class RoleMetrics:
             "step_started_at": self.step_started_at,
             "step_bound_s": self.step_bound_s,
             "peer_up": {str(p): v for p, v in dict(self.peer_up).items()},
+            "published_at": self.published_at,
         }
 
     def publish(self, now: bool = False) -> None:
@@ -228,8 +236,25 @@ class RoleMetrics:
     def _write(self) -> None:
         self._last_publish = time.monotonic()
         with self._lock:  # a peer lost on one thread while another ends a step
+            self.published_at = time.time()
             path = Path(self.directory) / f"{self.role}-{self.rank}-{os.getpid()}.json"
             write_snapshot(path, self.snapshot())
+            if self._refresher is None and not self._closed.is_set():
+                self._refresher = threading.Thread(
+                    target=self._refresh, name="afd-metrics-refresh", daemon=True
+                )
+                self._refresher.start()
+
+    def _refresh(self) -> None:
+        while not self._closed.wait(REFRESH_S):
+            if not os.path.isdir(self.directory):  # the server (or a test) is gone
+                return
+            if time.monotonic() - self._last_publish >= REFRESH_S:
+                self._write()
+
+    def close(self) -> None:
+        """No more refreshes (the rank stops)."""
+        self._closed.set()
 
     def _publish_deferred(self) -> None:
         with self._lock:

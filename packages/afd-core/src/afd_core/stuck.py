@@ -11,6 +11,11 @@ worker stopped or cut off, or the process stopped).
 An attention server is stuck when no rank of the server ends a step while requests wait
 (`StuckWatch`).
 
+Either is stuck when one of its ranks has not rewritten its snapshot for stuck_after_s
+(`ranks_not_refreshing`): a live rank rewrites it every REFRESH_S from a thread of its own,
+idle or busy, so its process is stopped (SIGSTOP) or hung holding the interpreter. This
+one also holds for an idle rank, and for a rank whose step began before its last write.
+
 Only an API process knows its own unfinished requests. With `--api-server-count` above 1 a
 health check lands on any of them, so each check also writes what this process saw (its
 unfinished requests and since when they wait) next to the ranks' snapshots, and reads what
@@ -30,7 +35,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from afd_core.metrics import write_snapshot
+from afd_core.metrics import REFRESH_S, write_snapshot
 
 SUFFIX = ".waiting"  # beside the ranks' *.json snapshots, which the collector reads
 
@@ -121,5 +126,24 @@ def ffn_steps_stuck(snapshots: list[dict], after_s: float, now: float) -> list[s
             stuck.append(
                 f"FFN rank {snap['rank']} has been in one step for {lasted:.0f} s (its waits' "
                 f"bound {bound:g} s + stuck_after_s={after_s:g}): hung or stopped"
+            )
+    return stuck
+
+
+def ranks_not_refreshing(snapshots: list[dict], after_s: float, now: float) -> list[str]:
+    """Why each rank in `snapshots` whose writer stopped rewriting it is stuck (a snapshot
+    without `published_at`, relayed from a rank that writes none, says nothing)."""
+    if after_s <= 0:
+        return []
+    bound = max(after_s, 3 * REFRESH_S)
+    stuck = []
+    for snap in snapshots:
+        if (written := snap.get("published_at")) is None:
+            continue
+        if (age := now - float(written)) > bound:
+            stuck.append(
+                f"{snap['role']} rank {snap['rank']} has not refreshed its numbers for "
+                f"{age:.0f} s (every {REFRESH_S:g} s while alive; stuck_after_s="
+                f"{after_s:g}): its process is stopped or hung"
             )
     return stuck

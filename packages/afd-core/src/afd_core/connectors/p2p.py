@@ -249,6 +249,7 @@ class PointToPointConnector(
                 self._closed = True
                 if self._share is not None:
                     self._share.close()
+                self.metrics.close()
                 return
             self._closed = True
             transport = self._transport
@@ -260,6 +261,7 @@ class PointToPointConnector(
         self.metrics.publish(now=True)
         if self._share is not None:
             self._share.close()  # after one last write: this rank's peers are gone
+        self.metrics.close()
         if self.config.is_attention and self._current is None:
             try:  # tell the FFN rank we leave, so it stops instead of timing out
                 with self.control_lock:

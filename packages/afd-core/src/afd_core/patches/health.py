@@ -46,7 +46,7 @@ def _patch(module) -> None:
         role_snapshots,
         server_processes,
     )
-    from afd_core.stuck import StuckWatch, ffn_steps_stuck, read_reports
+    from afd_core.stuck import StuckWatch, ffn_steps_stuck, ranks_not_refreshing, read_reports
 
     logger = get_logger(__name__)
     async_llm = module.AsyncLLM
@@ -60,14 +60,16 @@ def _patch(module) -> None:
         if config is None:
             return []
         watch, now = engine._afd_stuck_watch, time.time()
+        ranks = role_snapshots(config.role)
+        frozen = ranks_not_refreshing(ranks, watch.after_s, now)
         if config.is_ffn:
-            return ffn_steps_stuck(role_snapshots("ffn"), watch.after_s, now)
+            return frozen + ffn_steps_stuck(ranks, watch.after_s, now)
         unfinished = engine.output_processor.get_num_unfinished_requests()
         server = server_processes()  # the collector may come after the first check
         watch.directory = server[0] if server else None
         others = read_reports(*server) if server else []
         why = watch.check(unfinished, last_attention_step_at(), now, others)
-        return [why] if why else []
+        return frozen + ([why] if why else [])
 
     async def check_health(self) -> None:
         await original(self)
