@@ -237,14 +237,9 @@ def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
     assert _vllm_health_status(engine) == 200
 
 
-def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
-    tmp_path, monkeypatch, patch_health
-):
-    """An FFN server's ranks publish the step in flight and its waits' bound: /health
-    answers 503 once a rank has been in it longer than the bound plus stuck_after_s (a
-    stalled attention peer is dropped within the bound: longer, the rank itself is stuck),
-    200 once the step ends."""
-    import time
+def _ffn_server(patch_health, monkeypatch, tmp_path, stuck_after_s: float):
+    """A stand-in AsyncLLM class of an FFN server's API process (its afd config, vLLM's own
+    check passing), patched, with this test's collector over tmp_path."""
 
     class AsyncLLM:
         vllm_config = SimpleNamespace(
@@ -252,7 +247,7 @@ def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
                 "afd": {
                     "role": "ffn",
                     "connector": "gloo",
-                    "connector_extra_config": {"stuck_after_s": 5},
+                    "connector_extra_config": {"stuck_after_s": stuck_after_s},
                 }
             }
         )
@@ -262,6 +257,19 @@ def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
 
     patch_health(AsyncLLM)
     monkeypatch.setattr(metrics, "_registered", AFDCollector(str(tmp_path), os.getpid()))
+    return AsyncLLM
+
+
+def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
+    tmp_path, monkeypatch, patch_health
+):
+    """An FFN server's ranks publish the step in flight and its waits' bound: /health
+    answers 503 once a rank has been in it longer than the bound plus stuck_after_s (a
+    stalled attention peer is dropped within the bound: longer, the rank itself is stuck),
+    200 once the step ends."""
+    import time
+
+    AsyncLLM = _ffn_server(patch_health, monkeypatch, tmp_path, stuck_after_s=5)
     engine = AsyncLLM()
     rank = RoleMetrics("ffn", 1, str(tmp_path))
     rank.publish(now=True)
@@ -335,22 +343,7 @@ def test_a_server_whose_rank_stopped_refreshing_answers_503(tmp_path, monkeypatc
     assert ranks_not_refreshing(snaps, 20.0, now) == []
     assert ranks_not_refreshing(snaps, 0.0, now) == []  # off
 
-    class AsyncLLM:
-        vllm_config = SimpleNamespace(
-            additional_config={
-                "afd": {
-                    "role": "ffn",
-                    "connector": "gloo",
-                    "connector_extra_config": {"stuck_after_s": 20},
-                }
-            }
-        )
-
-        async def check_health(self):
-            return None
-
-    patch_health(AsyncLLM)
-    monkeypatch.setattr(metrics, "_registered", AFDCollector(str(tmp_path), os.getpid()))
+    AsyncLLM = _ffn_server(patch_health, monkeypatch, tmp_path, stuck_after_s=20)
     rank = RoleMetrics("ffn", 0, str(tmp_path))
     rank.close()  # no refresh thread: this test moves its time by hand
     rank.publish(now=True)
