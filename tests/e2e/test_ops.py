@@ -158,6 +158,38 @@ def test_a_stuck_engine_answers_503_on_every_api_process_and_200_once_it_steps(d
     assert [att.health_status() for _ in range(SCRAPES)] == [200] * SCRAPES
 
 
+def test_a_stopped_idle_ffn_server_answers_503_and_200_once_resumed(deployment):
+    """The FFN server's engine stopped (SIGSTOP) while idle: no step is in flight, but its
+    rank no longer rewrites its snapshot (every REFRESH_S from a thread of its own), so the
+    FFN server's /health answers 503 once it is max(stuck_after_s, 3 x REFRESH_S) old,
+    which `afd k8s` probes for liveness; resumed, 200 again and it serves."""
+    from afd_core.metrics import REFRESH_S
+
+    att, ffn = deployment["attention"], deployment["ffn"]
+    core = engine_core(ffn)
+    stopped_procs = [core, *core.children(recursive=True)]
+    bound = max(STUCK_S, 3 * REFRESH_S)
+    assert ffn.health_status() == 200
+    for proc in stopped_procs:
+        proc.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while ffn.health_status() != 503:
+            assert time.monotonic() - stopped < bound + 10, ffn.log_tail(40)
+            time.sleep(0.5)
+        took = time.monotonic() - stopped
+        print(f"the FFN server's /health 503 {took:.1f} s after its engine stopped")
+        assert took > bound - REFRESH_S - 0.5  # its last write came at most REFRESH_S before
+    finally:
+        for proc in stopped_procs:
+            proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while ffn.health_status() != 200:
+        assert time.monotonic() < deadline, ffn.log_tail(40)
+        time.sleep(0.5)
+    complete(att.url, PROMPTS[0], 4, timeout=60)
+
+
 def test_every_api_server_process_answers_503_once_the_ffn_rank_is_lost(deployment):
     """Last user of the deployment: it kills the FFN server."""
     att, ffn = deployment["attention"], deployment["ffn"]
