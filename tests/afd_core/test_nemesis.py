@@ -61,7 +61,7 @@ SEED = int(os.environ.get("AFD_NEMESIS_SEED", "20261206"))
 FAULTS = int(os.environ.get("AFD_NEMESIS_FAULTS", "14"))
 # 30 in CI (a per-rejoin leak shows as 20 cycles' worth between cycle 10 and the last);
 # the 100 of docs/protocol.md with AFD_NEMESIS_CYCLES=100 (about 3 minutes)
-CYCLES = int(os.environ.get("AFD_NEMESIS_CYCLES", "30"))
+CYCLES = int(os.environ.get("AFD_NEMESIS_CYCLES", "20"))
 
 
 # -- the processes ----------------------------------------------------------------------
