@@ -6,15 +6,15 @@ An FFN server is stuck when one of its FFN ranks has been in one step longer tha
 step's waits' bound plus stuck_after_s (`ffn_steps_stuck`): a wait for a stalled attention
 peer ends within the bound (the peer is dropped), so a step that lasts longer does not move
 by itself (hung in its compute or in a collective of its group, e.g. a tensor-parallel
-worker stopped or cut off, or the process stopped).
+worker stopped or cut off).
 
 An attention server is stuck when no rank of the server ends a step while requests wait
 (`StuckWatch`).
 
 Either is stuck when one of its ranks has not rewritten its snapshot for stuck_after_s
 (`ranks_not_refreshing`): a live rank rewrites it every REFRESH_S from a thread of its own,
-idle or busy, so its process is stopped (SIGSTOP) or hung holding the interpreter. This
-one also holds for an idle rank, and for a rank whose step began before its last write.
+idle or busy, so its process is stopped (SIGSTOP) or hung holding the interpreter. It
+also sees an idle rank, which the two checks above cannot.
 
 Only an API process knows its own unfinished requests. With `--api-server-count` above 1 a
 health check lands on any of them, so each check also writes what this process saw (its
