@@ -93,6 +93,18 @@ def assert_same(reference, got, prompts=PROMPTS, tol: float = 1e-5):
         assert worst <= tol, (prompt, worst)
 
 
+def await_health(server, status: int, within_s: float, every_s: float = 0.5) -> float:
+    """Poll the server's /health until it answers `status`; the seconds that took (the
+    test fails with the server's log past `within_s`)."""
+    import time
+
+    started = time.monotonic()
+    while server.health_status() != status:
+        assert time.monotonic() - started < within_s, server.log_tail(60)
+        time.sleep(every_s)
+    return time.monotonic() - started
+
+
 def with_reference(arch: str, model: str, log_dir: Path, servers: list) -> list:
     """The servers, plus a colocated one of `arch` if no module of this session has run its
     prompts yet (COLOCATED_ALONE)."""

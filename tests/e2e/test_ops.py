@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from afd_plugin.deploy.servers import complete, local_deployment, running
-from tests.e2e.conftest import BACKENDS, PROMPTS
+from tests.e2e.conftest import BACKENDS, PROMPTS, await_health
 
 pytestmark = pytest.mark.e2e
 
@@ -138,12 +138,9 @@ def test_a_stuck_engine_answers_503_on_every_api_process_and_200_once_it_steps(d
     core = engine_core(att)
     time.sleep(2.0)  # mid-generation, and vLLM's stats of it published
     core.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
-        while att.health_status() != 503:
-            assert time.monotonic() - stopped < STUCK_S + 10, att.log_tail(60)
-            time.sleep(0.25)
-        print(f"/health 503 {time.monotonic() - stopped:.1f} s after the stop")
+        took = await_health(att, 503, STUCK_S + 10, every_s=0.25)
+        print(f"/health 503 {took:.1f} s after the stop")
         assert [att.health_status() for _ in range(SCRAPES)] == [503] * SCRAPES
         for _ in range(SCRAPES):
             s = samples(att.url)
@@ -172,21 +169,14 @@ def test_a_stopped_idle_ffn_server_answers_503_and_200_once_resumed(deployment):
     assert ffn.health_status() == 200
     for proc in stopped_procs:
         proc.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
-        while ffn.health_status() != 503:
-            assert time.monotonic() - stopped < bound + 10, ffn.log_tail(40)
-            time.sleep(0.5)
-        took = time.monotonic() - stopped
+        took = await_health(ffn, 503, bound + 10)
         print(f"the FFN server's /health 503 {took:.1f} s after its engine stopped")
         assert took > bound - REFRESH_S - 0.5  # its last write came at most REFRESH_S before
     finally:
         for proc in stopped_procs:
             proc.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + 15
-    while ffn.health_status() != 200:
-        assert time.monotonic() < deadline, ffn.log_tail(40)
-        time.sleep(0.5)
+    await_health(ffn, 200, 15)
     complete(att.url, PROMPTS[0], 4, timeout=60)
 
 
@@ -196,10 +186,7 @@ def test_every_api_server_process_answers_503_once_the_ffn_rank_is_lost(deployme
     os.killpg(ffn.proc.pid, signal.SIGKILL)
     with pytest.raises(Exception):  # noqa: B017 - the step fails, then the rank waits
         complete(att.url, PROMPTS[0], 4, timeout=60)
-    deadline = time.monotonic() + 30
-    while att.health_status() != 503:
-        assert time.monotonic() < deadline, att.log_tail(60)
-        time.sleep(0.5)
+    await_health(att, 503, 30)
     assert [att.health_status() for _ in range(SCRAPES)] == [503] * SCRAPES
     for _ in range(SCRAPES):
         assert value(samples(att.url), "afd_peer_up", role="attention", rank=0, peer=0) == 0.0

@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     DEV_MODE,
     PROMPTS,
     assert_same,
+    await_health,
     reference,
     rpc,
     run_prompts,
@@ -86,12 +87,8 @@ def _a_stopped_tp_worker_makes_its_ffn_server_unhealthy(ffn0, ffn1, servers) -> 
     load.start()
     time.sleep(1.0)
     worker.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
-        while ffn0.health_status() != 503:
-            assert time.monotonic() - stopped < TIMEOUT_S + STUCK_S + 15, ffn0.log_tail(40)
-            time.sleep(0.5)
-        took = time.monotonic() - stopped
+        took = await_health(ffn0, 503, TIMEOUT_S + STUCK_S + 15)
         print(f"FFN server 0's /health 503 {took:.1f} s after its TP follower stopped")
         assert time.monotonic() - loaded > TIMEOUT_S + STUCK_S  # not before the bound passed
         assert ffn1.health_status() == 200

@@ -651,13 +651,6 @@ def role_snapshots(role: str) -> list[dict]:
     return [s for s in _registered._snapshots() if s.get("role") == role]
 
 
-def last_attention_step_at() -> float | None:
-    """When the latest step of any of this server's attention ranks ended (time.time()), as
-    their snapshots show it; None in a process that registered no collector, or before
-    any rank published."""
-    return max((float(s["last_step_at"]) for s in role_snapshots("attention")), default=None)
-
-
 def server_processes() -> tuple[str, Callable[[int], bool]] | None:
     """(this server's metrics directory, whether a pid is one of its live processes) for
     the collector this process registered; None without one."""

@@ -42,7 +42,6 @@ def _patch(module) -> None:
     from afd_core.log import get_logger
     from afd_core.metrics import (
         ffn_ranks_gone,
-        last_attention_step_at,
         role_snapshots,
         server_processes,
     )
@@ -68,7 +67,8 @@ def _patch(module) -> None:
         server = server_processes()  # the collector may come after the first check
         watch.directory = server[0] if server else None
         others = read_reports(*server) if server else []
-        why = watch.check(unfinished, last_attention_step_at(), now, others)
+        last_step_at = max((float(s["last_step_at"]) for s in ranks), default=None)
+        why = watch.check(unfinished, last_step_at, now, others)
         return frozen + ([why] if why else [])
 
     async def check_health(self) -> None:
