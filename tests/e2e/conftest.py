@@ -54,26 +54,29 @@ def rank_steps(url: str, role: str = "attention") -> dict[int, float]:
     return afd_steps(url, role)
 
 
-def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS) -> dict:
-    """Each attention rank's AFD steps while `prompts` run on data-parallel rank `rank` only
-    (settled: the counters stop moving for two publish intervals)."""
+def settled_rank_steps(url: str, role: str = "attention") -> dict[int, float]:
+    """rank_steps once the counters stop moving for two publish intervals (each rank
+    shares its snapshot at most once a second, so a read right after a request can be
+    one interval behind it)."""
     import time
 
+    last, same = rank_steps(url, role), 0
+    while same < 2:
+        time.sleep(1.2)
+        now = rank_steps(url, role)
+        same = same + 1 if now == last else 0
+        last = now
+    return last
+
+
+def steps_on_one_rank(url: str, rank: int, prompts, max_tokens: int = MAX_TOKENS) -> dict:
+    """Each attention rank's AFD steps while `prompts` run on data-parallel rank `rank` only."""
     from afd_plugin.deploy.servers import complete
 
-    def settled() -> dict:
-        last, same = rank_steps(url), 0
-        while same < 2:
-            time.sleep(1.2)
-            now = rank_steps(url)
-            same = same + 1 if now == last else 0
-            last = now
-        return last
-
-    before = settled()
+    before = settled_rank_steps(url)
     for p in prompts:
         complete(url, p, max_tokens, data_parallel_rank=rank)
-    after = settled()
+    after = settled_rank_steps(url)
     return {r: after[r] - before.get(r, 0) for r in after}
 
 
