@@ -151,22 +151,94 @@ def test_a_server_spanning_hosts_is_not_ready_while_another_hosts_rank_is_down(
 
 # -- a stuck engine (afd_core/stuck.py) ------------------------------------------------------
 def test_a_stuck_engine_is_one_whose_requests_wait_with_no_step_for_stuck_after_s():
-    from afd_core.stuck import StuckWatch
+    from afd_core.stuck import ANY_RANK, StuckWatch
+
+    def last(t):  # one DP rank (0) whose newest step ended at t
+        return {0: t, ANY_RANK: t}
 
     watch = StuckWatch(10.0)
-    assert watch.check(0, 100.0, 500.0) is None  # idle: no step for long is fine
-    assert watch.check(2, 100.0, 500.0) is None  # requests seen: their wait starts now
-    assert watch.check(2, 100.0, 510.0) is None  # within the bound
-    why = watch.check(2, 100.0, 511.0)
-    assert why.startswith("no step ended on any attention rank for 11 s while 2 request(s)")
+    assert watch.check({}, last(100.0), 500.0) is None  # idle: no step for long is fine
+    assert watch.check({0: 2}, last(100.0), 500.0) is None  # seen: their wait starts now
+    assert watch.check({0: 2}, last(100.0), 510.0) is None  # within the bound
+    why = watch.check({0: 2}, last(100.0), 511.0)
+    assert why.startswith("no step ended on attention DP rank 0 for 11 s while 2 request(s)")
     assert "stuck_after_s=10" in why
-    assert watch.check(2, 511.5, 512.0) is None  # a step ended: moving again
-    assert watch.check(1, 511.5, 521.0) is None  # 9.5 s since that step: within the bound
-    assert watch.check(1, 511.5, 522.0) is not None
-    assert watch.check(0, 511.5, 600.0) is None  # done: the wait is over
-    assert watch.check(1, 511.5, 601.0) is None  # a new request waits from its first check
-    assert StuckWatch(0.0).check(5, 0.0, 1e9) is None  # 0 turns the check off
-    assert StuckWatch(10.0).check(5, None, 1e9) is None  # no rank published yet
+    assert watch.check({0: 2}, last(511.5), 512.0) is None  # a step ended: moving again
+    assert watch.check({0: 1}, last(511.5), 521.0) is None  # 9.5 s since: within the bound
+    assert watch.check({0: 1}, last(511.5), 522.0) is not None
+    assert watch.check({}, last(511.5), 600.0) is None  # done: the wait is over
+    assert watch.check({0: 1}, last(511.5), 601.0) is None  # a new request waits from now
+    assert StuckWatch(0.0).check({0: 5}, last(0.0), 1e9) is None  # 0 turns the check off
+    assert StuckWatch(10.0).check({0: 5}, {}, 1e9) is None  # no rank published yet
+
+
+def test_with_async_dp_a_rank_is_stuck_while_the_others_step():
+    """Async DP (issue 36): the data-parallel ranks step on their own, so a rank whose
+    requests wait while another rank steps is stuck all the same; requests not routed yet
+    count against the server's newest step."""
+    from afd_core.stuck import ANY_RANK, StuckWatch
+
+    watch = StuckWatch(10.0)
+    steps = {0: 100.0, 1: 495.0, ANY_RANK: 495.0}  # rank 1 steps, rank 0 does not
+    assert watch.check({0: 1, 1: 3}, steps, 500.0) is None
+    steps = {0: 100.0, 1: 509.0, ANY_RANK: 509.0}
+    why = watch.check({0: 1, 1: 3}, steps, 511.0)
+    assert why.startswith("no step ended on attention DP rank 0 for 11 s while 1 request(s)")
+    assert "DP rank 1" not in why
+    # a rank with no snapshot of its own yet, and requests not routed yet: the newest step
+    watch = StuckWatch(10.0)
+    assert watch.check({2: 1, ANY_RANK: 1}, steps, 512.0) is None
+    assert watch.check({2: 1, ANY_RANK: 1}, steps, 520.0) is None  # 8 s after it ended
+    why = watch.check({2: 1, ANY_RANK: 1}, steps, 523.0)
+    assert "any attention rank for 11 s" in why and "attention DP rank 2 for 11 s" in why
+
+
+def test_each_dp_ranks_newest_step_comes_from_its_tensor_parallel_ranks_snapshots():
+    from afd_core.stuck import ANY_RANK, last_step_by_dp_rank
+
+    # a server from attention rank 4, TP 2: ranks 4-5 are DP rank 0, 6-7 DP rank 1
+    snaps = [
+        {"rank": 4, "last_step_at": 10.0},
+        {"rank": 5, "last_step_at": 12.0},
+        {"rank": 6, "last_step_at": 30.0},
+        {"rank": 7},  # relayed without one: says nothing
+    ]
+    assert last_step_by_dp_rank(snaps, 4, 2) == {0: 12.0, 1: 30.0, ANY_RANK: 30.0}
+    assert last_step_by_dp_rank([], 0, 1) == {}
+
+
+def test_requests_are_counted_on_the_dp_rank_vllms_client_routed_them_to():
+    """Pinned against vLLM 0.32: the data-parallel client (DPLBAsyncMPClient) records each
+    request's engine in reqs_in_flight, an engine's identity is its DP rank as two
+    little-endian bytes, and a client of one engine keeps it as core_engine."""
+    import inspect
+
+    from vllm.v1.engine import core_client
+
+    from afd_core.stuck import ANY_RANK, waiting_by_dp_rank
+
+    routing = inspect.getsource(core_client.DPLBAsyncMPClient.get_core_engine_for_request)
+    assert "self.reqs_in_flight[request.request_id] = chosen_engine" in routing
+    mp = inspect.getsource(core_client.MPClient.__init__)
+    assert 'rank.to_bytes(2, "little") for rank in self.engine_ranks_managed' in mp
+    assert "self.core_engine: EngineIdentity = self.core_engines[0]" in mp
+
+    def engine(states, core):
+        return SimpleNamespace(
+            output_processor=SimpleNamespace(request_states=dict.fromkeys(states)),
+            engine_core=core,
+        )
+
+    dp = [r.to_bytes(2, "little") for r in range(3)]
+    routed = SimpleNamespace(reqs_in_flight={"a": dp[0], "b": dp[2], "c": dp[2], "gone": dp[1]})
+    assert waiting_by_dp_rank(engine(["a", "b", "c", "new"], routed)) == {
+        0: 1,
+        2: 2,
+        ANY_RANK: 1,
+    }
+    assert waiting_by_dp_rank(engine([], routed)) == {}
+    one = SimpleNamespace(core_engine=dp[1])  # external load balancing: DP rank 1's own
+    assert waiting_by_dp_rank(engine(["a", "b"], one)) == {1: 2}
 
 
 def test_every_api_process_sees_the_stuck_engine_once_the_one_holding_requests_was_checked(
@@ -175,25 +247,34 @@ def test_every_api_process_sees_the_stuck_engine_once_the_one_holding_requests_w
     """With --api-server-count 2 a check lands on either process; only one holds the
     requests. Its report in the metrics directory makes the other answer alike, until a
     step ends after that report."""
-    from afd_core.stuck import StuckWatch, Waiting, read_reports
+    from afd_core.stuck import ANY_RANK, StuckWatch, Waiting, read_reports
+
+    def last(t):
+        return {0: t, 1: t, ANY_RANK: t}
 
     holder, other = StuckWatch(10.0, str(tmp_path)), StuckWatch(10.0, str(tmp_path))
-    assert holder.check(3, 100.0, 200.0) is None  # reports: 3 waiting since 200
+    assert holder.check({1: 3}, last(100.0), 200.0) is None  # reports: 3 on rank 1 since 200
     assert read_reports(str(tmp_path), lambda pid: True) == []  # not its own (one pid here)
     mine = Waiting(**json.loads((tmp_path / f"api-{os.getpid()}.waiting").read_text()))
-    assert (mine.unfinished, mine.since, mine.checked_at) == (3, 200.0, 200.0)
-    assert other.check(0, 100.0, 209.0, [mine]) is None
-    why = other.check(0, 100.0, 211.0, [mine])
-    assert why is not None and "while 3 request(s) wait" in why
+    assert (mine.unfinished, mine.since, mine.checked_at) == ({"1": 3}, {"1": 200.0}, 200.0)
+    assert other.check({}, last(100.0), 209.0, [mine]) is None
+    why = other.check({}, last(100.0), 211.0, [mine])
+    assert why is not None and "DP rank 1 for 11 s while 3 request(s) wait" in why
     # a step ended after the holder's report: the engine moved on, the report is outdated
-    assert other.check(0, 205.0, 300.0, [mine]) is None
+    assert other.check({}, last(205.0), 300.0, [mine]) is None
+    # another release's report (one count for the whole server) is left out
+    (tmp_path / "api-1.waiting").write_text(
+        json.dumps({"pid": 1, "unfinished": 3, "since": 1.0, "checked_at": 2.0})
+    )
+    assert read_reports(str(tmp_path), lambda pid: True) == []
 
 
 def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
     tmp_path, monkeypatch, patch_health
 ):
-    """The patch reads the attention server's afd config (stuck_after_s) and vLLM's
-    output processor (this API process's unfinished requests)."""
+    """The patch reads the attention server's afd config (stuck_after_s), its tensor
+    parallel size, and vLLM's output processor and client (this API process's unfinished
+    requests and the DP rank each went to)."""
     import time
 
     from afd_core.metrics import server_processes
@@ -204,17 +285,15 @@ def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
         "connector_extra_config": {"stuck_after_s": 5},
     }
 
-    class Outputs:
-        unfinished = 0
-
-        def get_num_unfinished_requests(self):
-            return self.unfinished
-
     class AsyncLLM:
-        vllm_config = SimpleNamespace(additional_config={"afd": config})
+        vllm_config = SimpleNamespace(
+            additional_config={"afd": config},
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
 
         def __init__(self):
-            self.output_processor = Outputs()
+            self.output_processor = SimpleNamespace(request_states={})
+            self.engine_core = SimpleNamespace(core_engine=(0).to_bytes(2, "little"))
 
         async def check_health(self):
             return None
@@ -228,9 +307,9 @@ def test_a_stuck_attention_engine_answers_503_and_200_once_it_steps(
     rank.last_step_at = time.time() - 100  # idle for long
     rank.publish(now=True)
     assert _vllm_health_status(engine) == 200
-    engine.output_processor.unfinished = 1
+    engine.output_processor.request_states["r1"] = object()
     assert _vllm_health_status(engine) == 200  # the first check that sees it
-    engine._afd_stuck_watch.waiting_since -= 6  # as if seen 6 s ago
+    engine._afd_stuck_watch.waiting_since[0] -= 6  # as if seen 6 s ago
     assert _vllm_health_status(engine) == 503
     rank.count_step(failed=False)
     rank.publish(now=True)
@@ -292,8 +371,9 @@ def test_an_ffn_server_answers_503_while_a_rank_is_in_one_step_past_its_bound(
 
 
 def test_vllms_api_process_counts_its_unfinished_requests_where_the_patch_reads_them():
-    """Pinned against vLLM 0.32: AsyncLLM keeps its OutputProcessor as output_processor,
-    and its vllm_config, which the patch reads."""
+    """Pinned against vLLM 0.32: AsyncLLM keeps its OutputProcessor as output_processor
+    (its requests in request_states, by the id the client routes them by), its client as
+    engine_core, and its vllm_config, which the patch reads."""
     import inspect
 
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -302,6 +382,10 @@ def test_vllms_api_process_counts_its_unfinished_requests_where_the_patch_reads_
     init = inspect.getsource(AsyncLLM.__init__)
     assert "self.output_processor = OutputProcessor(" in init
     assert "self.vllm_config = vllm_config" in init
+    assert "self.engine_core = EngineCoreClient.make_async_mp_client(" in init
+    add = inspect.getsource(OutputProcessor.add_request)
+    assert "self.request_states[request_id] = req_state" in add
+    assert "request_id = request.request_id" in add
     processor = OutputProcessor.__new__(OutputProcessor)
     processor.request_states = {"a": object(), "b": object()}
     assert processor.get_num_unfinished_requests() == 2

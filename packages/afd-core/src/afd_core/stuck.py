@@ -8,8 +8,9 @@ peer ends within the bound (the peer is dropped), so a step that lasts longer do
 by itself (hung in its compute or in a collective of its group, e.g. a tensor-parallel
 worker stopped or cut off).
 
-An attention server is stuck when no rank of the server ends a step while requests wait
-(`StuckWatch`).
+An attention server is stuck when one of its data-parallel ranks ends no step while
+requests routed to it wait (`StuckWatch`): per DP rank, since with async DP the others
+step on without it (`waiting_by_dp_rank` reads where vLLM's client routed each request).
 
 Either is stuck when one of its ranks has not rewritten its snapshot for stuck_after_s
 (`ranks_not_refreshing`): a live rank rewrites it every REFRESH_S from a thread of its own,
@@ -18,10 +19,11 @@ also sees an idle rank, which the two checks above cannot.
 
 Only an API process knows its own unfinished requests. With `--api-server-count` above 1 a
 health check lands on any of them, so each check also writes what this process saw (its
-unfinished requests and since when they wait) next to the ranks' snapshots, and reads what
-the others wrote: every process gives the same answer once the process holding the requests
-has been checked once. A report counts only while no step ended after it was written (a
-step since means the engine moved on; its next check says what waits now).
+unfinished requests per DP rank and since when they wait) next to the ranks' snapshots, and
+reads what the others wrote: every process gives the same answer once the process holding
+the requests has been checked once. A report counts for a DP rank only while no step ended
+on it after the report was written (a step since means the rank moved on; its next check
+says what waits now).
 
 The wait counts from the first check that saw requests (an API process keeps no arrival
 time unless vLLM's stats are on): checks every P seconds say "stuck" within
@@ -40,15 +42,53 @@ from afd_core.metrics import REFRESH_S, write_snapshot
 SUFFIX = ".waiting"  # beside the ranks' *.json snapshots, which the collector reads
 
 
+ANY_RANK = -1  # requests not routed yet: any rank's step counts for them
+
+
 @dataclass
 class Waiting:
-    """One API process's report: at `checked_at` it held `unfinished` requests, waiting
-    since `since` (all times time.time())."""
+    """One API process's report: at `checked_at` it held `unfinished[d]` requests routed to
+    data-parallel rank d, waiting since `since[d]` (all times time.time(); keys are the
+    ranks as strings, as JSON writes them)."""
 
     pid: int
-    unfinished: int
-    since: float | None
+    unfinished: dict[str, int]
+    since: dict[str, float]
     checked_at: float
+
+
+def waiting_by_dp_rank(engine) -> dict[int, int]:
+    """This API process's unfinished requests (vLLM's AsyncLLM `engine`) per data-parallel
+    rank of its server: vLLM's data-parallel client records the engine (the DP rank as two
+    little-endian bytes) each request went to; a client of one engine sends all to it."""
+    states = engine.output_processor.request_states
+    if not states:
+        return {}
+    core = engine.engine_core
+    routed = getattr(core, "reqs_in_flight", None)
+    if routed is None:
+        engine_id = getattr(core, "core_engine", None)
+        dp = int.from_bytes(engine_id, "little") if isinstance(engine_id, bytes) else 0
+        return {dp: len(states)}
+    counts: dict[int, int] = {}
+    for request_id in list(states):  # the event loop's thread adds and removes them
+        engine_id = routed.get(request_id)
+        dp = int.from_bytes(engine_id, "little") if engine_id is not None else ANY_RANK
+        counts[dp] = counts.get(dp, 0) + 1
+    return counts
+
+
+def last_step_by_dp_rank(snapshots: list[dict], start_rank: int, tp: int) -> dict[int, float]:
+    """The newest step end of each data-parallel rank of an attention server (its AFD
+    ranks start_rank + d * tp ... + tp - 1), and of any rank (ANY_RANK)."""
+    last: dict[int, float] = {}
+    for snap in snapshots:
+        if snap.get("last_step_at") is None:
+            continue
+        at = float(snap["last_step_at"])
+        for dp in ((int(snap["rank"]) - start_rank) // max(tp, 1), ANY_RANK):
+            last[dp] = max(last.get(dp, at), at)
+    return last
 
 
 class StuckWatch:
@@ -57,41 +97,50 @@ class StuckWatch:
     def __init__(self, after_s: float, directory: str | None = None):
         self.after_s = after_s
         self.directory = directory  # the server's metrics directory; None: this process only
-        self.waiting_since: float | None = None  # the first check that saw requests
+        self.waiting_since: dict[int, float] = {}  # DP rank: the first check that saw requests
 
     def check(
         self,
-        unfinished: int,
-        last_step_at: float | None,
+        waiting: dict[int, int],
+        last_step_at: dict[int, float],
         now: float,
         others: list[Waiting] = (),
     ) -> str | None:
-        """Why the engine is stuck, or None. `unfinished`: this process's requests;
-        `last_step_at`: the newest step end of the server's attention ranks; `others`: the
-        reports of the server's other API processes."""
-        if unfinished == 0:
-            self.waiting_since = None
-        elif self.waiting_since is None:
-            self.waiting_since = now
-        mine = Waiting(os.getpid(), unfinished, self.waiting_since, now)
-        self._report(mine)
-        if self.after_s <= 0 or last_step_at is None:
-            return None
-        waiting = [
-            w
-            for w in [mine, *others]
-            if w.unfinished > 0 and w.since is not None and w.checked_at >= last_step_at
-        ]
-        if not waiting:
-            return None
-        quiet = now - max(last_step_at, min(w.since for w in waiting))
-        if quiet <= self.after_s:
-            return None
-        count = sum(w.unfinished for w in waiting)
-        return (
-            f"no step ended on any attention rank for {quiet:.0f} s while {count} "
-            f"request(s) wait (stuck_after_s={self.after_s:g}): the engine is hung or stopped"
+        """Why the engine is stuck, or None. `waiting`: this process's unfinished requests
+        per data-parallel rank (`waiting_by_dp_rank`); `last_step_at`: each DP rank's
+        newest step end (`last_step_by_dp_rank`); `others`: the reports of the server's
+        other API processes."""
+        waiting = {dp: n for dp, n in waiting.items() if n > 0}
+        self.waiting_since = {dp: self.waiting_since.get(dp, now) for dp in waiting}
+        mine = Waiting(
+            os.getpid(),
+            {str(dp): n for dp, n in waiting.items()},
+            {str(dp): t for dp, t in self.waiting_since.items()},
+            now,
         )
+        self._report(mine)
+        if self.after_s <= 0 or ANY_RANK not in last_step_at:
+            return None
+        stuck = []
+        for dp in sorted({int(d) for w in [mine, *others] for d in w.unfinished}):
+            # a rank without a snapshot of its own yet: the server's newest step
+            last = last_step_at.get(dp, last_step_at[ANY_RANK])
+            reports = [
+                w
+                for w in [mine, *others]
+                if w.unfinished.get(str(dp), 0) > 0 and str(dp) in w.since and w.checked_at >= last
+            ]
+            if not reports:
+                continue
+            quiet = now - max(last, min(w.since[str(dp)] for w in reports))
+            if quiet > self.after_s:
+                count = sum(w.unfinished[str(dp)] for w in reports)
+                where = "any attention rank" if dp == ANY_RANK else f"attention DP rank {dp}"
+                stuck.append(
+                    f"no step ended on {where} for {quiet:.0f} s while {count} request(s) "
+                    f"wait on it (stuck_after_s={self.after_s:g}): the engine is hung or stopped"
+                )
+        return "; ".join(stuck) or None
 
     def _report(self, waiting: Waiting) -> None:
         if self.directory:
@@ -108,6 +157,8 @@ def read_reports(directory: str, belongs) -> list[Waiting]:
             w = Waiting(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue
+        if not isinstance(w.unfinished, dict) or not isinstance(w.since, dict):
+            continue  # another release's report
         if w.pid != os.getpid() and belongs(w.pid):
             found.append(w)
     return found

@@ -13,8 +13,8 @@ engine is not marked dead: /health answers 200 again once the FFN rank is back.
 
 On any AFD server it also raises while the engine is stuck: alive (vLLM's flag unset, its
 peers up) but not moving for longer than `stuck_after_s` (afd_core/stuck.py: an FFN rank
-in one step past its bound, or an attention server whose requests wait while no rank
-steps; every API process of the server answers alike).
+in one step past its bound, or an attention data-parallel rank that ends no step while
+requests routed to it wait; every API process of the server answers alike).
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ def _patch(module) -> None:
         role_snapshots,
         server_processes,
     )
-    from afd_core.stuck import StuckWatch, ffn_steps_stuck, ranks_not_refreshing, read_reports
+    from afd_core.stuck import (
+        StuckWatch,
+        ffn_steps_stuck,
+        last_step_by_dp_rank,
+        ranks_not_refreshing,
+        read_reports,
+        waiting_by_dp_rank,
+    )
 
     logger = get_logger(__name__)
     async_llm = module.AsyncLLM
@@ -63,12 +70,12 @@ def _patch(module) -> None:
         frozen = ranks_not_refreshing(ranks, watch.after_s, now)
         if config.is_ffn:
             return frozen + ffn_steps_stuck(ranks, watch.after_s, now)
-        unfinished = engine.output_processor.get_num_unfinished_requests()
         server = server_processes()  # the collector may come after the first check
         watch.directory = server[0] if server else None
         others = read_reports(*server) if server else []
-        last_step_at = max((float(s["last_step_at"]) for s in ranks), default=None)
-        why = watch.check(unfinished, last_step_at, now, others)
+        tp = engine.vllm_config.parallel_config.tensor_parallel_size
+        last_steps = last_step_by_dp_rank(ranks, config.start_rank, tp)
+        why = watch.check(waiting_by_dp_rank(engine), last_steps, now, others)
         return frozen + ([why] if why else [])
 
     async def check_health(self) -> None:
