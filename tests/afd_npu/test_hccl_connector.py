@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.afd_core import test_ffn_loss as ffn_loss
+from tests.afd_core import test_peer_loss as peer_loss
 from tests.afd_core import test_step_protocol as step_protocol
 
 pytestmark = pytest.mark.vllm  # needs torch (the CPU build comes with vLLM)
@@ -22,6 +24,23 @@ def test_micro_batches_and_shapes_over_hccl(over_hccl):
     device transport in tests/afd_core/test_nccl_transport.py)."""
     steps = {0: [(3, 4), (2,), (1, 1, 1, 1)], 1: [(1, 1, 1, 1), (0, 5, 0), (6,)]}
     step_protocol.test_microbatches_every_m_and_shape(2, 1, steps)
+
+
+def test_a_crashed_attention_server_is_dropped_and_its_restart_rejoins_over_hccl(
+    tmp_path, monkeypatch
+):
+    """Recovery over the device transport as HCCL drives it (the NCCL stand-in runs the
+    same cases in tests/afd_core): the lost server's link aborted alone, the other served,
+    a fresh link for the restart."""
+    peer_loss.test_a_lost_attention_server_is_dropped_the_other_served_and_its_restart_rejoins(
+        (3, 0), "hccl", tmp_path, monkeypatch
+    )
+
+
+def test_the_attention_servers_outlive_a_crashed_ffn_server_over_hccl(tmp_path, monkeypatch):
+    ffn_loss.test_the_attention_servers_outlive_their_ffn_server_and_are_served_again(
+        "crash", "hccl", tmp_path, monkeypatch
+    )
 
 
 def test_the_connector_is_registered_for_npu_only():
