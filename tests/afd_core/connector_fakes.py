@@ -71,6 +71,9 @@ class ListInbox:
         assert not block or timeout_s is not None, "would block forever"
         return None
 
+    def served(self, i):
+        pass
+
 
 def control(sender, step, rows, flags=ControlFlag.NONE):
     return ControlMessage(sender, step, rows, 4, "float32", flags).encode()

@@ -266,6 +266,22 @@ def test_with_one_timeout_for_both_roles_a_hung_server_costs_the_other_nothing(
     assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
 
 
+def test_a_peer_whose_step_waits_behind_another_servers_hang_is_not_taken_for_silent(
+    tmp_path, monkeypatch
+):
+    """Found by the host-loss test (tests/e2e/test_multi_host.py): server 1 hangs in the
+    middle of a step and the FFN rank waits timeout_s (4 s) for it; server 0, whose step
+    waits to be served meanwhile, sends nothing (it waits for its status). Its listener
+    counted that as silence and dropped it once liveness_timeout_s (3 s here; 30 s against
+    timeout_s 120 s by default) passed: one server's hang cost the other. Silence now
+    counts only while a peer owes a message (inbox.py)."""
+    monkeypatch.setenv("AFD_TEST_LIVENESS_S", "3")
+    out = _run(tmp_path, ("hang", 4, 1))
+    assert out[0]["wrong"] == 0 and out[0]["steps"] >= STEPS
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [1], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+
+
 def test_after_a_goodbye_the_restart_rejoins_and_a_misfit_restart_is_refused_alone(tmp_path):
     out = _run(tmp_path, ("leave", 3), misfit_first=True)
     refused = out["again"]["refused"]

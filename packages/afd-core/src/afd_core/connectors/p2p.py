@@ -197,21 +197,24 @@ class PointToPointConnector(
         return self._row_bytes
 
     def _bound_step(self, flags) -> None:
-        """Bound this step's waits: a start-up step (STARTUP: the attention server's
-        profiling run, compile warm-up and captures, whose first forward compiles) by
-        startup_timeout_s where it is longer, any other by timeout_s on the FFN side and
-        ATTENTION_WAIT_FACTOR x timeout_s on the attention side. The transport takes the
-        bound at each post, so it holds for every operation of the step."""
+        """Bound this step's waits (the transport takes the bound at each post, so it
+        holds for every operation of the step): `step_bound_s`."""
+        self._transport.timeout_s = self.step_bound_s(flags, self.config.role)
+
+    def step_bound_s(self, flags, role: str) -> float:
+        """How long `role`'s waits in a step with these flags last: a start-up step
+        (STARTUP: the attention server's profiling run, compile warm-up and captures, whose
+        first forward compiles) startup_timeout_s where it is longer, any other timeout_s
+        on the FFN side and ATTENTION_WAIT_FACTOR x timeout_s on the attention side."""
         extra = self.config.extra()
-        startup = bool(flags & ControlFlag.STARTUP)
         bound = extra.timeout_s
-        if self.config.is_attention:
+        if role == "attention":
             # the FFN rank waits up to timeout_s for a silent peer of the same step before
             # it drops it and answers the others: with one bound on both sides, every
             # other attention rank would give up on the FFN rank at that same moment (the
             # nemesis tier's partition of one attention host lost all of them)
             bound *= ATTENTION_WAIT_FACTOR
-        self._transport.timeout_s = max(extra.startup_timeout_s, bound) if startup else bound
+        return max(extra.startup_timeout_s, bound) if flags & ControlFlag.STARTUP else bound
 
     def check_tensor(self, tensor) -> None:
         return None

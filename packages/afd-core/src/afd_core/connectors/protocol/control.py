@@ -124,6 +124,16 @@ def is_heartbeat(words: list[int]) -> bool:
     return len(words) == MESSAGE_LEN and words[4] >= 0 and bool(words[4] & ControlFlag.HEARTBEAT)
 
 
+def awaits_status(words: list[int]) -> bool:
+    """Whether received words claim to be a step, which its sender waits to see served
+    (not a heartbeat, not a goodbye; decode checks the rest)."""
+    return (
+        len(words) == MESSAGE_LEN
+        and words[4] >= 0
+        and not words[4] & (ControlFlag.HEARTBEAT | ControlFlag.SHUTDOWN)
+    )
+
+
 def decode(words: list[int], expect: Expectation) -> ControlMessage:
     """Parse and check a received message; ControlError names the peer and the field."""
     who = f"control message from attention rank {expect.sender_rank}"

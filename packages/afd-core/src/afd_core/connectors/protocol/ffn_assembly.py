@@ -52,6 +52,8 @@ class FFNStepAssembly:
                 self._me(),
                 liveness_s=self.config.extra().liveness_timeout_s if live else None,
                 on_heartbeat=self._answer_heartbeat if live else None,
+                # a peer waits this long for its step to be served, then gives up on us
+                answer_bound_s=lambda flags: self.step_bound_s(flags, "attention"),
             )
             self._inbox.start()
             if self.survives_peer_loss:

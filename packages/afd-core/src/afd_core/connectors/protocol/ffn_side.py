@@ -121,6 +121,7 @@ class FFNDataPath:
             raise error
         if self._active_peers[i]:
             self._active_peers[i] = False
+            self._peer_served(i)  # its listener, if it waits for that, stops
             self.peers_lost.append(self.peers[i])
             self._transport.drop_member(i + 1)
             self._release_claim(i)
@@ -134,6 +135,10 @@ class FFNDataPath:
                 self.peers[i],
                 error,
             )
+
+    def _peer_served(self, i: int) -> None:
+        if self._inbox is not None:
+            self._inbox.served(i)
 
     def _batch_error(self, i, layer, microbatch, exc) -> AFDPeerError:
         return AFDPeerError(
@@ -282,6 +287,9 @@ class FFNDataPath:
                 except TransportError as exc:
                     self._lose_peer_or_raise(i, self._end_error(i, step_of, exc))
         finally:
+            for i, peer in enumerate(self.peers):
+                if peer in step_of:
+                    self._peer_served(i)  # its silence counts again (inbox.py)
             self._pending_sends.clear()
             self._plan = None
             self._step += 1

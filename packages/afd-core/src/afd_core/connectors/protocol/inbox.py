@@ -10,7 +10,12 @@ ready (and every peer of their servers), and picks up the others in a later step
 Where links fail alone, a listener also watches its peer's liveness: it answers the
 peer's heartbeats itself (`on_heartbeat`), and a peer that sends neither a step nor a
 heartbeat within `liveness_s` is reported as failed, so it is dropped and its restart is
-admitted (admission/rejoin.py).
+admitted (admission/rejoin.py). Silence counts only while the peer owes a message: after
+it announced a step, it sends nothing until that step is served (its status sent, `served`),
+which may take the FFN rank a while when it waits out another server's stalled peer. So
+the listener posts its next bounded receive once the step was served (or, at the latest,
+after `answer_bound_s`, the longest the peer itself waits for it); before, a peer waiting
+for its step behind another server's stall was dropped as silent.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afd_core.connectors.protocol.control import MESSAGE_LEN, is_heartbeat
+from afd_core.connectors.protocol.control import MESSAGE_LEN, awaits_status, is_heartbeat
 from afd_core.connectors.transports.transport import Transport, TransportError
 
 
@@ -54,10 +59,18 @@ class ControlInbox:
         name: str,
         liveness_s: float | None = None,
         on_heartbeat: Callable[[int, list[int]], None] | None = None,
+        answer_bound_s: Callable[[int], float] | None = None,
     ):
         self._transport = transport
         self._name = name
         self._liveness_s = liveness_s  # None: an idle peer is waited for without bound
+        # the longest a peer waits for a step of these flags to be served (then it stops
+        # waiting on us)
+        self._answer_bound_s = answer_bound_s
+        # set while peer i owes nothing: no step of it waits to be served
+        self._served = [threading.Event() for _ in range(num_peers)]
+        for event in self._served:
+            event.set()
         # answers peer i's heartbeat; raises TransportError when it cannot
         self._on_heartbeat = on_heartbeat
         self._queue: queue.Queue = queue.Queue()
@@ -73,7 +86,13 @@ class ControlInbox:
     def listen(self, i: int) -> None:
         """A fresh listener for peer i (it rejoined on a new link)."""
         self._generation[i] += 1
+        self._served[i].set()  # the old listener, if it waits, wakes and stops
         self._start_listener(i)
+
+    def served(self, i: int) -> None:
+        """Peer i's step was served (its status sent) or the peer dropped: from now on its
+        silence counts again."""
+        self._served[i].set()
 
     def put(self, i: int, item) -> None:
         """Something for the serving thread about peer i, in turn with its messages."""
@@ -117,7 +136,15 @@ class ControlInbox:
                 return
             if self._closed:
                 return
+            waits = self._liveness_s is not None and awaits_status(words)
+            if waits:
+                self._served[i].clear()
             self._queue.put((i, generation, words))
+            if waits:  # it sends nothing more until its step is served
+                bound = self._answer_bound_s(words[4]) if self._answer_bound_s else None
+                self._served[i].wait(bound)
+                if self._closed or generation != self._generation[i]:
+                    return
 
     def get(self, block: bool = True, timeout_s: float | None = None):
         """(peer index, words), (peer index, TransportError) or (peer index, what `put`
@@ -141,4 +168,6 @@ class ControlInbox:
         """Wake a `get` waiting for the next step. The listeners stop at their next
         message, or when the transport closes under their receive."""
         self._closed = True
+        for event in self._served:
+            event.set()
         self._queue.put((-1, None, None))
