@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,9 +100,9 @@ API_HOST = "a0"  # the attention server's head: the client talks to it
 SPANNING = [("a0", 8000, "attention"), ("f0", 8100, "ffn")]
 
 
-def spec_text(model: str, machines: dict, servers: str, secret_file=None) -> str:
+def spec_text(model: str, machines: dict, servers: str, secret_file=None, extra: str = "") -> str:
     """A spec of these hosts (name -> tests.netns.Host) and servers (TOML), every server
-    with this module's args and environment."""
+    with this module's args and environment; `extra`: more connector_extra_config."""
     toml_list = json.dumps(ARGS)
     env = "{ " + ", ".join(f'{k} = "{v}"' for k, v in ENV.items()) + " }"
     hosts_toml = "".join(
@@ -115,7 +116,7 @@ rendezvous_port = 29650
 {f'secret_file = "{secret_file}"' if secret_file else ""}
 
 [afd]
-connector_extra_config = {{ connect_timeout_s = {START_S} }}
+connector_extra_config = {{ connect_timeout_s = {START_S}{extra} }}
 {hosts_toml}{servers}
 [roles.attention]
 args = {toml_list}
@@ -125,6 +126,51 @@ env = {env}
 args = {toml_list}
 env = {env}
 """
+
+
+def launch(spec: Path, machines: dict, log_dir: Path, tmp_path: Path) -> dict:
+    """`afd launch SPEC --host NAME` in each host's namespace: host name -> its launcher
+    (its output in tmp_path/launch-NAME.log, its servers' logs under log_dir/NAME)."""
+    launchers = {}
+    for name, host in machines.items():
+        log = open(tmp_path / f"launch-{name}.log", "wb")  # noqa: SIM115 - the child's
+        launchers[name] = subprocess.Popen(
+            ["ip", "netns", "exec", host.name, sys.executable, "-m", "afd_plugin.cli",
+             "launch", str(spec), "--host", name, "--log-dir", str(log_dir / name),
+             "--timeout", str(START_S)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+    return launchers
+
+
+def wait_healthy(launchers: dict, apis: list, tmp_path: Path) -> float:
+    """Seconds until every (host, url) in `apis` answers /health 200 from its host; fails
+    with a launcher's output if one exits first."""
+    started = time.monotonic()
+    for host, url in apis:
+        while _in(host, "-c", HEALTH, url) != "200":
+            for name, p in launchers.items():
+                assert p.poll() is None, (tmp_path / f"launch-{name}.log").read_text()[-3000:]
+            assert time.monotonic() - started < START_S, f"{url} not healthy in time"
+            time.sleep(2)
+    return time.monotonic() - started
+
+
+def stop(launchers, wait_s: float = 60) -> None:
+    """Ctrl-C to each launcher (it stops what it started); SIGKILL to its group after
+    wait_s."""
+    for p in launchers:
+        try:
+            os.killpg(p.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    for p in launchers:
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def _in(host, *argv: str, timeout: float = 300) -> str:
@@ -152,29 +198,13 @@ def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_di
         secret.write_text(secrets.token_hex(32))
         spec = tmp_path / "deploy.toml"
         spec.write_text(spec_text(model, by_name, SERVERS, secret))
-        launchers = []
+        launchers = {}
         try:
-            for name, host in by_name.items():
-                log = open(tmp_path / f"launch-{name}.log", "wb")  # noqa: SIM115 - the child's
-                launchers.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", host.name, sys.executable, "-m",
-                         "afd_plugin.cli", "launch", str(spec), "--host", name,
-                         "--log-dir", str(log_dir / f"{layout}-{name}"),
-                         "--timeout", str(START_S)],
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    )
-                )  # fmt: skip
-                log.close()
+            launchers = launch(spec, by_name, log_dir / layout, tmp_path)
             api = by_name[API_HOST]
             url = f"http://{api.address}:8000"
-            started = time.monotonic()
-            while _in(api, "-c", HEALTH, url) != "200":
-                for p, name in zip(launchers, names, strict=True):
-                    assert p.poll() is None, (tmp_path / f"launch-{name}.log").read_text()[-3000:]
-                assert time.monotonic() - started < START_S, "not healthy in time"
-                time.sleep(2)
-            print(f"\n{layout}: four hosts healthy after {time.monotonic() - started:.0f} s")
+            took = wait_healthy(launchers, [(api, url)], tmp_path)
+            print(f"\n{layout}: four hosts healthy after {took:.0f} s")
             # refused at the rendezvous across hosts, and the deployment serves on unchanged
             refused = _in(stranger, "-c", STRANGER_WITHOUT_SECRET, machines[0].address, "29650")
             rows = json.loads(_in(api, "-c", CLIENT, url, str(MAX_TOKENS), json.dumps(PROMPTS)))
@@ -204,16 +234,7 @@ def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_di
             ]
             answered = json.loads(_in(stranger, "-c", PROBE, json.dumps(probes)))
         finally:
-            for p in launchers:  # Ctrl-C: each launcher stops what it started
-                try:
-                    os.killpg(p.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
-            for p in launchers:
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+            stop(launchers.values())
         assert "STRANGER-REFUSED" in refused and "STRANGER-WROTE" not in refused, refused
         assert "NOSECRET-REFUSED" in refused and "requires the deployment secret" in refused
         assert_same(reference(ARCH, colocated), got)
@@ -226,7 +247,7 @@ def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_di
         # interface): its port is in vLLM's log; from another host only that one answers
         vllm_ports = {
             m.group(1)
-            for log in log_dir.glob(f"{layout}-*/*.log")
+            for log in log_dir.glob(f"{layout}/*/*.log")
             for m in re.finditer(r"distributed_init_method=tcp://[^:\s]+:(\d+)", log.read_text())
         }
         elsewhere = {
@@ -239,4 +260,152 @@ def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_di
                 assert a.startswith("127.") or a.rsplit(":", 1)[1] in vllm_ports, sockets
         assert all(str(port) in vllm_ports for _, port in answered), (answered, vllm_ports)
         assert f"{machines[0].address}:29650" in [a for a, _ in sockets[machines[0].name]]
-        assert [p.returncode for p in launchers] == [130] * len(HOSTS)
+        assert [p.returncode for p in launchers.values()] == [130] * len(HOSTS)
+
+
+# -- one attention server loses a host: the issue 36 case ------------------------------------
+# FFN rank 0 alone on f0 serves attention server A (two data-parallel ranks, spanning a0 and
+# a1) and attention server B (one rank, on b0)
+LOSS_HOSTS = ("f0", "a0", "a1", "b0")
+LOSS_SERVERS = """
+[[servers]]
+name = "ffn0"
+role = "ffn"
+port = 8100
+hosts = [{ host = "f0", ranks = 1 }]
+
+[[servers]]
+name = "attentionA"
+role = "attention"
+port = 8000
+data_parallel_size = 2
+hosts = [{ host = "a0", ranks = 1 }, { host = "a1", ranks = 1 }]
+
+[[servers]]
+name = "attentionB"
+role = "attention"
+port = 8000
+hosts = [{ host = "b0", ranks = 1 }]
+"""
+LOSS_TIMEOUT_S, LOSS_LIVENESS_S = 10, 5
+LOSS_EXTRA = f", timeout_s = {LOSS_TIMEOUT_S}, liveness_timeout_s = {LOSS_LIVENESS_S}"
+LOAD_MAX = 300  # requests at most; the load stops when the test says so
+
+# steady load from B's host: one request after another until the stop file exists; the
+# whole history (prompt, start, end, token ids or the error) rewritten after each
+LOAD = """
+import json, os, sys, time
+from afd_plugin.deploy.servers import complete
+url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+stop, out, most = sys.argv[4], sys.argv[5], int(sys.argv[6])
+history = []
+while not os.path.exists(stop) and len(history) < most:
+    i, t0 = len(history) % len(prompts), time.time()
+    try:
+        c = complete(url, prompts[i], max_tokens, timeout=60)
+        history.append([i, t0, time.time(), c.token_ids, None])
+    except Exception as exc:
+        history.append([i, t0, time.time(), None, repr(exc)[:300]])
+    with open(out + ".tmp", "w") as f:
+        json.dump(history, f)
+    os.replace(out + ".tmp", out)
+"""
+
+PEERS_UP = """
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+text = urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=10).read().decode()
+print(json.dumps({
+    s.labels["peer"]: s.value
+    for f in text_string_to_metric_families(text) for s in f.samples
+    if s.name == "afd_peer_up" and s.labels.get("role") == "ffn"
+}))
+"""
+
+
+def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
+    checkpoints, log_dir, tmp_path
+):
+    """Issue 36's case, with `afd launch` on four hosts: a stranger sends junk, HTTP and
+    idle connections to every port A's hosts listen on (vLLM's own among them), then a1
+    drops off the network (iptables DROP: no FIN, no RST). The FFN rank drops what it loses
+    of A and serves on; B, under steady load throughout, loses no request and gets the
+    colocated tokens; the FFN server and B stay up and healthy."""
+    import random
+
+    from tests.afd_core.test_nemesis import hostile
+
+    model = str(checkpoints(ARCH))
+    colocated = with_reference(ARCH, model, log_dir, [])
+    with (
+        hosts(len(LOSS_HOSTS) + 1, tag="afdhl") as (*machines, stranger),
+        running(colocated, timeout=600),
+    ):
+        by_name = dict(zip(LOSS_HOSTS, machines, strict=True))
+        spec = tmp_path / "deploy.toml"
+        spec.write_text(spec_text(model, by_name, LOSS_SERVERS, extra=LOSS_EXTRA))
+        f0, a0, a1, b0 = (by_name[n] for n in LOSS_HOSTS)
+        ffn_url, b_url = f"http://{f0.address}:8100", f"http://{b0.address}:8000"
+        a_url = f"http://{a0.address}:8000"
+        stopfile, history_file = tmp_path / "stop-load", tmp_path / "history.json"
+        launchers, load, junk = {}, None, {}
+        try:
+            launchers = launch(spec, by_name, log_dir / "host-loss", tmp_path)
+            took = wait_healthy(launchers, [(a0, a_url), (b0, b_url)], tmp_path)
+            print(f"\nhost loss: four hosts healthy after {took:.0f} s")
+            load = subprocess.Popen(
+                ["ip", "netns", "exec", b0.name, sys.executable, "-c", LOAD, b_url,
+                 str(MAX_TOKENS), json.dumps(PROMPTS), str(stopfile), str(history_file),
+                 str(LOAD_MAX)],
+            )  # fmt: skip
+            time.sleep(5)  # served before any fault
+            rng = random.Random(36)
+            for host in (a0, a1):
+                junk[host.name] = hostile(stranger.name, host, rng)
+            time.sleep(5)
+            head_alive = launchers["a0"].poll() is None  # vLLM's own sockets took junk too
+            fault_at = time.time()
+            for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
+                subprocess.run(
+                    ["ip", "netns", "exec", a1.name, "iptables", "-A", chain, flag, "eth0",
+                     "-j", "DROP"],
+                    check=True, timeout=30,
+                )  # fmt: skip
+            # the bound on losing a silent peer (liveness), a step's (timeout_s), and more
+            time.sleep(LOSS_LIVENESS_S + LOSS_TIMEOUT_S + 10)
+            stopfile.touch()
+            load.wait(120)
+            b_health, ffn_health = _in(b0, "-c", HEALTH, b_url), _in(f0, "-c", HEALTH, ffn_url)
+            peers_up = json.loads(_in(f0, "-c", PEERS_UP, ffn_url))
+            ffn_alive = launchers["f0"].poll() is None
+        finally:
+            if load is not None and load.poll() is None:
+                load.kill()
+            # A's hosts: their fate is vLLM's (a partitioned host cannot stop cleanly)
+            stop([launchers[n] for n in ("a0", "a1") if n in launchers], wait_s=5)
+            stop([launchers[n] for n in ("f0", "b0") if n in launchers])
+        history = json.loads(history_file.read_text())
+        ffn_log = "\n".join(
+            p.read_text(errors="replace") for p in (log_dir / "host-loss" / "f0").glob("*.log")
+        )
+        ref = reference(ARCH, colocated)
+        after = [h for h in history if h[1] > fault_at]
+        slowest = max(end - start for _, start, end, _, _ in history)
+        print(
+            f"host loss: junk to {sum(len(ports) for ports in junk.values())} ports; "
+            f"{len(history)} requests on B, "
+            f"{sum(h[4] is not None for h in history)} failed, {len(after)} after a1 went "
+            f"off the network, slowest {slowest:.1f} s; A's head survived the junk: "
+            f"{head_alive}; FFN peer_up {peers_up}"
+        )
+        # B: nothing lost, every request the colocated tokens, served after the loss too
+        assert [h[4] for h in history if h[4] is not None] == [], history
+        for i, _, _, token_ids, _ in history:
+            assert token_ids == ref[i].token_ids, (PROMPTS[i], token_ids)
+        assert len(after) >= 5, history
+        # the FFN server and B up and healthy; the FFN rank dropped A's rank on a1 and
+        # serves B's
+        assert ffn_alive and ffn_health == "200" and b_health == "200", (ffn_health, b_health)
+        assert "attention rank 1 is lost and dropped" in ffn_log, ffn_log[-3000:]
+        assert peers_up.get("1") == 0 and peers_up.get("2") == 1, peers_up
+        assert launchers["b0"].returncode == launchers["f0"].returncode == 130
