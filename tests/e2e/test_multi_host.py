@@ -6,7 +6,11 @@ server's expert group (two FFN ranks). Greedy tokens identical to the colocated 
 the head of each server spanning hosts shows the other host's rank on its /metrics
 (relayed through the rendezvous store), and the attention server stays healthy. The deployment has a secret: a fourth host without it is refused at the
 rendezvous (a raw store client, and an AFD rank), and nothing of AFD listens anywhere but
-on each host's address."""
+on each host's address.
+
+A second deployment is issue 36's case: one attention server that loses a host (junk on
+its hosts' ports, then one host off the network) costs the other server, which shares
+its FFN rank, nothing."""
 
 from __future__ import annotations
 
