@@ -291,12 +291,13 @@ role = "attention"
 port = 8000
 hosts = [{ host = "b0", ranks = 1 }]
 """
-LOSS_TIMEOUT_S, LOSS_LIVENESS_S = 10, 5
+LOSS_TIMEOUT_S, LOSS_LIVENESS_S = 8, 4
 LOSS_EXTRA = f", timeout_s = {LOSS_TIMEOUT_S}, liveness_timeout_s = {LOSS_LIVENESS_S}"
-LOAD_MAX = 300  # requests at most; the load stops when the test says so
+LOAD_MAX = 400  # requests at most; the load stops when the test says so
 
-# steady load from B's host: one request after another until the stop file exists; the
-# whole history (prompt, start, end, token ids or the error) rewritten after each
+# steady load from B's host: one request after another (0.3 s apart: two cores also start
+# A again meanwhile) until the stop file exists; the whole history (prompt, start, end,
+# token ids or the error) rewritten after each
 LOAD = """
 import json, os, sys, time
 from afd_plugin.deploy.servers import complete
@@ -313,6 +314,7 @@ while not os.path.exists(stop) and len(history) < most:
     with open(out + ".tmp", "w") as f:
         json.dump(history, f)
     os.replace(out + ".tmp", out)
+    time.sleep(0.3)
 """
 
 PEERS_UP = """
@@ -333,8 +335,9 @@ def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
     """Issue 36's case, with `afd launch` on four hosts: a stranger sends junk, HTTP and
     idle connections to every port A's hosts listen on (vLLM's own among them), then a1
     drops off the network (iptables DROP: no FIN, no RST). The FFN rank drops what it loses
-    of A and serves on; B, under steady load throughout, loses no request and gets the
-    colocated tokens; the FFN server and B stay up and healthy."""
+    of A and serves on; then A alone is restarted on its two hosts and rejoins. B, under
+    steady load throughout, loses no request and gets the colocated tokens; the FFN server
+    and B stay up and healthy."""
     import random
 
     from tests.afd_core.test_nemesis import hostile
@@ -362,11 +365,11 @@ def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
                  str(MAX_TOKENS), json.dumps(PROMPTS), str(stopfile), str(history_file),
                  str(LOAD_MAX)],
             )  # fmt: skip
-            time.sleep(5)  # served before any fault
+            time.sleep(3)  # served before any fault
             rng = random.Random(36)
             for host in (a0, a1):
                 junk[host.name] = hostile(stranger.name, host, rng)
-            time.sleep(5)
+            time.sleep(3)
             head_alive = launchers["a0"].poll() is None  # vLLM's own sockets took junk too
             fault_at = time.time()
             for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
@@ -376,18 +379,30 @@ def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
                     check=True, timeout=30,
                 )  # fmt: skip
             # the bound on losing a silent peer (liveness), a step's (timeout_s), and more
-            time.sleep(LOSS_LIVENESS_S + LOSS_TIMEOUT_S + 10)
+            time.sleep(LOSS_LIVENESS_S + LOSS_TIMEOUT_S + 6)
+            peers_up = json.loads(_in(f0, "-c", PEERS_UP, ffn_url))
+            # A restarted alone: a1 back on the network, what is left of A stopped, the
+            # same `afd launch` on its two hosts; it rejoins the running FFN rank
+            subprocess.run(["ip", "netns", "exec", a1.name, "iptables", "-F"], check=True)
+            stop([launchers.pop(n) for n in ("a0", "a1")], wait_s=5)  # fate: vLLM's
+            restart_at, restart_wall = time.monotonic(), time.time()
+            again_dir = tmp_path / "again"
+            again_dir.mkdir()
+            again = launch(spec, {"a0": a0, "a1": a1}, log_dir / "host-loss-again", again_dir)
+            launchers |= {f"{n} again": p for n, p in again.items()}
+            wait_healthy(again, [(a0, a_url)], again_dir)
+            rejoin_s = time.monotonic() - restart_at
+            rows = json.loads(_in(a0, "-c", CLIENT, a_url, str(MAX_TOKENS), json.dumps(PROMPTS)))
             stopfile.touch()
             load.wait(120)
             b_health, ffn_health = _in(b0, "-c", HEALTH, b_url), _in(f0, "-c", HEALTH, ffn_url)
-            peers_up = json.loads(_in(f0, "-c", PEERS_UP, ffn_url))
             ffn_alive = launchers["f0"].poll() is None
         finally:
             if load is not None and load.poll() is None:
                 load.kill()
             # A's hosts: their fate is vLLM's (a partitioned host cannot stop cleanly)
-            stop([launchers[n] for n in ("a0", "a1") if n in launchers], wait_s=5)
-            stop([launchers[n] for n in ("f0", "b0") if n in launchers])
+            stop([launchers.pop(n) for n in ("a0", "a1") if n in launchers], wait_s=5)
+            stop(launchers.values())
         history = json.loads(history_file.read_text())
         ffn_log = "\n".join(
             p.read_text(errors="replace") for p in (log_dir / "host-loss" / "f0").glob("*.log")
@@ -402,14 +417,18 @@ def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
             f"off the network, slowest {slowest:.1f} s; A's head survived the junk: "
             f"{head_alive}; FFN peer_up {peers_up}"
         )
+        print(f"host loss: A restarted and healthy again after {rejoin_s:.0f} s")
         # B: nothing lost, every request the colocated tokens, served after the loss too
         assert [h[4] for h in history if h[4] is not None] == [], history
         for i, _, _, token_ids, _ in history:
             assert token_ids == ref[i].token_ids, (PROMPTS[i], token_ids)
-        assert len(after) >= 5, history
+        assert len(after) >= 5 and history[-1][1] > restart_wall, history  # and during A's restart
         # the FFN server and B up and healthy; the FFN rank dropped A's rank on a1 and
         # serves B's
         assert ffn_alive and ffn_health == "200" and b_health == "200", (ffn_health, b_health)
         assert "attention rank 1 is lost and dropped" in ffn_log, ffn_log[-3000:]
         assert peers_up.get("1") == 0 and peers_up.get("2") == 1, peers_up
-        assert launchers["b0"].returncode == launchers["f0"].returncode == 130
+        # A, restarted alone, rejoined (both ranks) and gives the colocated tokens
+        assert "attention rank 0 rejoined" in ffn_log and "attention rank 1 rejoined" in ffn_log
+        assert_same(ref, [Completion(*row) for row in rows])
+        assert [p.returncode for p in launchers.values()] == [130] * 4, launchers
