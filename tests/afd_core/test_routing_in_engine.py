@@ -27,14 +27,19 @@ def run(ckpt, **env):
 
 
 def test_balanced_routing_is_used_by_the_engine_and_changes_output(checkpoints):
+    from concurrent.futures import ThreadPoolExecutor
+
     ckpt = checkpoints("qwen3_moe")
-    normal = run(ckpt)
+    with ThreadPoolExecutor(2) as pool:  # two engines at once: most of each is start-up
+        normal = pool.submit(run, ckpt)
+        balanced = pool.submit(
+            run,
+            ckpt,
+            VLLM_MOE_ROUTING_SIMULATION_STRATEGY="afd_balanced",
+            AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK="4",
+        )
+        normal, balanced = normal.result(), balanced.result()
     assert normal.returncode == 0, normal.stderr[-3000:]
-    balanced = run(
-        ckpt,
-        VLLM_MOE_ROUTING_SIMULATION_STRATEGY="afd_balanced",
-        AFD_BENCHMARK_FORCE_LB_TOPN_PER_RANK="4",
-    )
     assert balanced.returncode == 0, balanced.stderr[-3000:]
     n, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (normal, balanced))
     assert n["calls"] == []
