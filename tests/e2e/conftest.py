@@ -108,6 +108,20 @@ def await_health(server, status: int, within_s: float, every_s: float = 0.5) -> 
     return time.monotonic() - started
 
 
+def engine_core(server, dp_rank: int | None = None):
+    """The server's engine-core process (psutil.Process): its only one, or data-parallel
+    rank `dp_rank`'s (vLLM names it EngineCore_DP<rank>)."""
+    import psutil
+
+    name = "EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}"
+    (core,) = [
+        p
+        for p in psutil.Process(server.proc.pid).children(recursive=True)
+        if name in " ".join(p.cmdline())
+    ]
+    return core
+
+
 def with_reference(arch: str, model: str, log_dir: Path, servers: list) -> list:
     """The servers, plus a colocated one of `arch` if no module of this session has run its
     prompts yet (COLOCATED_ALONE)."""

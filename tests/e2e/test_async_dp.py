@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from afd_plugin.deploy.servers import complete, running, scale_out_deployment
@@ -19,6 +18,7 @@ from tests.e2e.conftest import (
     PROMPTS,
     assert_same,
     await_health,
+    engine_core,
     reference,
     run_prompts,
     settled_rank_steps,
@@ -66,7 +66,7 @@ def test_4a2f_async_dp_gives_colocated_tokens_on_every_rank_and_idle_ranks_run_n
         # DP rank 3's engine core stopped (SIGSTOP) with a request routed to it, while rank 0
         # serves on: the server's newest step stays fresh, yet /health answers 503 naming
         # rank 3 (afd_core/stuck.py: per DP rank, where vLLM's client routed the request)
-        core = dp_engine_core(att, 3)
+        core = engine_core(att, dp_rank=3)
         stopped, outcome = threading.Event(), {}
         core.send_signal(signal.SIGSTOP)
         try:
@@ -91,15 +91,6 @@ def test_4a2f_async_dp_gives_colocated_tokens_on_every_rank_and_idle_ranks_run_n
         assert_same([ref[0]] * len(served_0), served_0, [PROMPTS[0]] * len(served_0))
         assert "no step ended on attention DP rank 3" in att.log_path.read_text()
         await_health(att, 200, 15)
-
-
-def dp_engine_core(server, rank: int) -> psutil.Process:
-    (core,) = [
-        p
-        for p in psutil.Process(server.proc.pid).children(recursive=True)
-        if f"EngineCore_DP{rank}" in " ".join(p.cmdline())
-    ]
-    return core
 
 
 def serve_rank_0(url: str, stop: threading.Event, outcome: dict) -> None:

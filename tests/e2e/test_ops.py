@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from afd_plugin.deploy.servers import complete, local_deployment, running
-from tests.e2e.conftest import BACKENDS, PROMPTS, await_health
+from tests.e2e.conftest import BACKENDS, PROMPTS, await_health, engine_core
 
 pytestmark = pytest.mark.e2e
 
@@ -112,15 +112,6 @@ def test_every_api_server_process_serves_the_afd_metrics(deployment):
     assert value(ffn, "afd_bytes_received_total", role="ffn", rank=0, peer=0) == value(
         s, "afd_bytes_sent_total", role="attention", rank=0, peer=0
     )
-
-
-def engine_core(server) -> psutil.Process:
-    (core,) = [
-        p
-        for p in psutil.Process(server.proc.pid).children(recursive=True)
-        if "EngineCore" in " ".join(p.cmdline())
-    ]
-    return core
 
 
 def test_a_stuck_engine_answers_503_on_every_api_process_and_200_once_it_steps(deployment):

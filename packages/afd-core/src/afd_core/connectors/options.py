@@ -54,9 +54,9 @@ class GlooOptions(BaseModel):
     recovery_grace_s: Seconds = Field(default=15.0, ge=1, le=3600)
     # How long a server's engine may stay alive but not moving before its /health answers
     # 503 (afd_core/stuck.py): an attention server's requests waiting on a data-parallel
-    # rank while that rank ends no step; an FFN rank in one step past that step's bound plus this; a rank
-    # that stopped rewriting its metrics snapshot (at least 15 s: a stopped or hung
-    # process). Make it longer than the longest step (a long prefill on a slow device; a
+    # rank while that rank ends no step; an FFN rank in one step past that step's bound
+    # plus this; a rank that stopped rewriting its metrics snapshot (at least 15 s: a
+    # stopped or hung process). Make it longer than the longest step (a long prefill on a slow device; a
     # wait for a P/D transfer); 0 turns it off.
     stuck_after_s: Seconds = Field(default=60.0, ge=0, le=86400)
 
