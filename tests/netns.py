@@ -111,3 +111,47 @@ def listeners(namespace: str) -> list[tuple[str, str]]:
         owner = line.split('(("', 1)[1].split('"', 1)[0] if '(("' in line else "?"
         found.append((fields[3], owner))
     return found
+
+
+REACH = """
+import json, os, select, socket, sys, time
+address, ports, per_port, wait_s = json.loads(sys.argv[1])
+pending = {}
+for port in ports:
+    for _ in range(per_port):
+        s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+        s.setblocking(False)
+        s.connect_ex((address, port))
+        pending[s] = port
+made = {port: 0 for port in ports}
+deadline = time.monotonic() + wait_s
+while pending and time.monotonic() < deadline:
+    _, ready, _ = select.select([], list(pending), [], max(0.0, deadline - time.monotonic()))
+    for s in ready:
+        port = pending.pop(s)
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+            made[port] += 1
+            try:
+                s.send(os.urandom(8))  # a few bytes that match nothing, then gone
+            except OSError:
+                pass
+        s.close()
+for s in pending:
+    s.close()
+print(json.dumps(made))
+"""
+
+
+def reach(namespace: str, address: str, ports, per_port: int = 1, wait_s: float = 1.5) -> dict:
+    """From a host: `per_port` connections to each of `ports` at `address`, all at once;
+    each one made sends 8 random bytes and closes (review M1's scanner). Returns how many
+    were made per port within wait_s (a filtered port drops the SYN: none)."""
+    import json
+
+    out = subprocess.run(
+        ["ip", "netns", "exec", namespace, "python", "-c", REACH,
+         json.dumps([address, sorted(ports), per_port, wait_s])],
+        capture_output=True, text=True, timeout=60 + wait_s,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}

@@ -2,10 +2,13 @@
 host and an attention rank on each of two others, over a bridge. Each rank's channels bind
 to the address it reaches the rendezvous from (connectors/transports/channel_address.py), so
 the steps are right and nothing of AFD listens anywhere else; a rank told to bind elsewhere fails
-with an error naming the address."""
+with an error naming the address. A stranger on a fourth host reaches no gloo listener
+(connectors/transports/listener_filter.py): its connections are never made, so its junk
+cannot cost the FFN rank a descriptor (review M1)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -20,7 +23,7 @@ from tests.afd_core.gloo_harness import (
     run_processes,
     wait_for,
 )
-from tests.netns import enter, hosts, listening
+from tests.netns import enter, hosts, listening, reach
 
 pytestmark = pytest.mark.vllm  # needs torch
 
@@ -34,6 +37,7 @@ def ffn(ns, host, port, marks, q):
 
         conn = make("ffn", 0, 2, 1, port, host=host)
         conn.init()
+        (marks / "ffn.pid").write_text(str(os.getpid()))
         (marks / "ffn-up").touch()
         server = FFNStepServer(conn, [0, 1, 2], lambda layer, h, *_: h * 2 + layer)
         server.serve(threading.Event())
@@ -53,6 +57,7 @@ def attention(ns, rank, host, port, marks, q):
         deadline = time.monotonic() + 60
         while not (marks / "checked").exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # connected while the test looks at the sockets
+        outcome += [checked_step(conn, rank, step) for step in range(STEPS, 2 * STEPS)]
         conn.close()
         q.put((rank, outcome))
     except Exception:
@@ -60,7 +65,7 @@ def attention(ns, rank, host, port, marks, q):
 
 
 def test_three_hosts_serve_steps_and_listen_only_on_their_own_address(tmp_path):
-    with hosts(3) as (h_ffn, h_a0, h_a1):
+    with hosts(4) as (h_ffn, h_a0, h_a1, h_stranger):
         port = free_port()
         done = {}
 
@@ -82,11 +87,31 @@ def test_three_hosts_serve_steps_and_listen_only_on_their_own_address(tmp_path):
             wait_for(tmp_path / "stepped0", 90)
             wait_for(tmp_path / "stepped1", 90)
             sockets = {h: listening(h.name) for h in (h_ffn, h_a0, h_a1)}
+            ports = {h: [int(a.rsplit(":", 1)[1]) for a in sockets[h]] for h in sockets}
+            made = {h: reach(h_stranger.name, h.address, ports[h]) for h in sockets}
+            # review M1's scanner on one of the FFN rank's gloo listeners: 50 connections
+            # that send 8 bytes and close, each a descriptor for good where one is made
+            ffn_fds = f"/proc/{int((tmp_path / 'ffn.pid').read_text())}/fd"
+            time.sleep(0.5)
+            fds_before = len(os.listdir(ffn_fds))
+            gloo_port = next(p for p in ports[h_ffn] if p != port)
+            flood = reach(h_stranger.name, h_ffn.address, [gloo_port], per_port=50)
+            time.sleep(0.5)
+            fds_after = len(os.listdir(ffn_fds))
         finally:
             (tmp_path / "checked").touch()
             runner.join(180)
         assert_no_errors(done)
-        assert done[0] == [True] * STEPS and done[1] == [True] * STEPS
+        # the steps before the stranger came and after it left
+        assert done[0] == [True] * 2 * STEPS and done[1] == [True] * 2 * STEPS
+        # the stranger reaches the rendezvous (the gate's or the store's port) and nothing
+        # else: 4 gloo listeners on the FFN host (a control and a data pair per attention
+        # rank), 2 on each attention host
+        assert made[h_ffn] == {p: int(p == port) for p in ports[h_ffn]}, made
+        assert len(ports[h_ffn]) == 5 and all(len(ports[h]) == 2 for h in (h_a0, h_a1)), ports
+        assert made[h_a0] == {p: 0 for p in ports[h_a0]}, made
+        assert made[h_a1] == {p: 0 for p in ports[h_a1]}, made
+        assert flood == {gloo_port: 0} and fds_after == fds_before, (flood, fds_before, fds_after)
         for h, addresses in sockets.items():
             assert addresses, (h, "no AFD listener seen")
             # the store (FFN host) and every gloo pair: on the host's own address only

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from afd_core.connectors.transports.device import ChannelAborted, DeviceRuntime, Watchdog
 from afd_core.connectors.transports.member_links import MemberLinks
-from afd_core.connectors.transports.rendezvous import StoreTransport, abort_groups, gloo_group
+from afd_core.connectors.transports.rendezvous import StoreTransport, abort_groups
 from afd_core.connectors.transports.transport import Handle, TransportError
 from afd_core.log import get_logger
 
@@ -209,13 +209,7 @@ class DeviceTransport(MemberLinks, StoreTransport):
 
         prefix = f"{self._prefix}/link{member}/{incarnation}"
         me = 0 if self.group_rank == 0 else 1
-        ctrl = gloo_group(
-            dist.PrefixStore(f"{prefix}/ctrl", self._store),
-            me,
-            2,
-            self.connect_timeout_s,
-            self.channel_device(),
-        )
+        ctrl = self.channel_group(dist.PrefixStore(f"{prefix}/ctrl", self._store), me, 2)
         try:
             comms = self._pair_comms(prefix, me, 2)
         except Exception:

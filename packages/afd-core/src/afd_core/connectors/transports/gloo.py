@@ -18,11 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd_core.connectors.transports.member_links import MemberLinks
-from afd_core.connectors.transports.rendezvous import (
-    StoreTransport,
-    abort_groups,
-    gloo_group,
-)
+from afd_core.connectors.transports.rendezvous import StoreTransport, abort_groups
 from afd_core.connectors.transports.transport import Handle
 
 
@@ -54,13 +50,7 @@ class GlooTransport(MemberLinks, StoreTransport):
         prefix = f"{self._prefix}/link{member}/{incarnation}"
         me = 0 if self.group_rank == 0 else 1
         ctrl, data = (
-            gloo_group(
-                dist.PrefixStore(f"{prefix}/{channel}", self._store),
-                me,
-                2,
-                self.connect_timeout_s,  # each pair connects within it (gloo_group)
-                self.channel_device(),  # a device per group (channel_address.py)
-            )
+            self.channel_group(dist.PrefixStore(f"{prefix}/{channel}", self._store), me, 2)
             for channel in ("ctrl", "data")
         )
         return Link(ctrl, data, 1 - me)
@@ -96,12 +86,11 @@ class GlooTransport(MemberLinks, StoreTransport):
     def _connect_data(self, prefix: str) -> None:
         import torch.distributed as dist
 
-        self._data = gloo_group(
+        self._data = self.channel_group(
             dist.PrefixStore(prefix + "/data", self._store),
             self.group_rank,
             self.group_size,
-            self.connect_timeout_s,
-            self.channel_device(),
+            self.group_members,
         )
 
     def close(self) -> None:

@@ -74,7 +74,18 @@ class MemberLinks:
             raise
         finally:
             self._forget_link_keys(member, incarnation)
+            self._forget_guard_keys(member, incarnation)
         return link
+
+    def _forget_guard_keys(self, member: int, incarnation: int) -> None:
+        """The keys the link's two sides met through to filter their listeners
+        (listener_filter.py), once the link connected (or gave up)."""
+        from afd_core.connectors.transports.listener_filter import guard_keys
+
+        prefix = f"{self._prefix}/link{member}/{incarnation}"
+        for channel in ("ctrl", "data"):
+            for key in guard_keys(0) + guard_keys(1):
+                self.store_delete(f"{prefix}/{channel}/{key}")
 
     def _forget_link_keys(self, member: int, incarnation: int) -> None:
         """The store keys a link's pairs met through, once they connected (or gave up):

@@ -393,12 +393,11 @@ class StoreTransport(Transport):
         import torch.distributed as dist
 
         self._connect_data(prefix)
-        self._ctrl = gloo_group(
+        self._ctrl = self.channel_group(
             dist.PrefixStore(prefix + "/ctrl", self._store),
             self.group_rank,
             self.group_size,
-            self.connect_timeout_s,
-            self.channel_device(),
+            self.group_members,
         )
         # the pairs every step uses (an AFD group's steps and statuses, a tensor-parallel
         # leader's commands); an expert group's other pairs connect in its first group
@@ -451,6 +450,31 @@ class StoreTransport(Transport):
         from afd_core.connectors.transports.channel_address import channel_device
 
         return channel_device(self._channel_choice())
+
+    def channel_group(self, store, rank: int, size: int, members=None):
+        """A gloo group (`gloo_group`) on a device of its own whose listener only the
+        group's `members` (default: all) reach (listener_filter.py); `store` is the group's
+        prefix store, where its members meet first."""
+        from afd_core.connectors.transports.listener_filter import (
+            exchange_sources,
+            made_with_listener,
+        )
+
+        device, listener = made_with_listener(self.channel_device)
+        members = range(size) if members is None else members
+        where = listener.address if listener is not None else None
+        try:
+            allowed = exchange_sources(store, rank, members, where, self.connect_timeout_s)
+        except TransportError as exc:
+            raise TransportError(
+                f"connecting AFD group {self.group}'s channels ({self.channel_where()}): {exc}"
+            ) from None
+        if listener is not None:
+            try:
+                listener.allow_only(allowed)
+            except (OSError, ValueError) as exc:
+                logger.warning("AFD: a gloo listener is left unfiltered: %s", exc)
+        return gloo_group(store, rank, size, self.connect_timeout_s, device)
 
     def channel_where(self) -> str:
         """For error messages: where this rank's channels are."""
