@@ -22,6 +22,10 @@ def pytest_collection_modifyitems(config, items):
         needs_vllm = item.get_closest_marker("vllm") or item.get_closest_marker("e2e")
         if not HAVE_VLLM and needs_vllm:
             item.add_marker(skip_vllm)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # on several workers (./scripts/test), modules are handed out in this order: the
+        # end-to-end modules (minutes each) first, so the short ones fill the tail
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 # set in a process by AFD's start-up check (prepare_afd_config) for the servers it starts:
