@@ -202,8 +202,14 @@ def exchange_sources(
                 f"{timeout_s:.0f}s ({str(exc).splitlines()[0][:200] if str(exc) else exc!r})"
             ) from None
 
+    def routed_from(address: str) -> str:
+        try:
+            return routed_address(address)
+        except TransportError:
+            return ""  # no route: the pair's connect fails, naming the address
+
     listeners = gather("listener", listener_address or "")
-    mine = sorted({routed_address(a) for a in listeners.values() if a} | {listener_address or ""})
+    mine = sorted({routed_from(a) for a in listeners.values() if a} | {listener_address or ""})
     sources = gather("from", json.dumps([a for a in mine if a]))
     allowed = {a for a in listeners.values() if a}
     for text in sources.values():
