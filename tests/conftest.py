@@ -23,9 +23,28 @@ def pytest_collection_modifyitems(config, items):
         if not HAVE_VLLM and needs_vllm:
             item.add_marker(skip_vllm)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # on several workers (./scripts/test), modules are handed out in this order: the
-        # end-to-end modules (minutes each) first, so the short ones fill the tail
+        # on several workers (./scripts/test) the end-to-end lane is handed out first
+        # (pytest_xdist_make_scheduler), so the other modules run beside it
         items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+E2E_LANE = "tests/e2e/"
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Work units for ./scripts/test's workers: every end-to-end module together, one
+    after the other on one worker (each starts several vLLM servers, which keep this
+    machine's CPUs busy and use up to 15 GiB: two at once doubled each one's time and
+    came within 1 GiB of the memory), every other module a unit of its own on the others
+    (a module's tests share its fixtures)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return E2E_LANE if nodeid.startswith(E2E_LANE) else nodeid.split("::", 1)[0]
+
+    return Lanes(config, log)
 
 
 # set in a process by AFD's start-up check (prepare_afd_config) for the servers it starts:
