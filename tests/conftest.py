@@ -31,6 +31,32 @@ def pytest_collection_modifyitems(config, items):
 E2E_LANE = "tests/e2e/"
 
 
+def _worker_port_range() -> str | None:
+    """This xdist worker's own slice of the ports below the kernel's ephemeral range, for
+    free_port (AFD_PORT_RANGE): a port one worker picked and has not bound yet is then
+    never picked by the other, nor handed by the kernel to a connection's local end or a
+    bind to port 0 (it happened: a store's port, picked, was taken before it was bound)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 1:
+        return None
+    try:
+        ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        end = int(ephemeral[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(10000, end - 12000)
+    width = (end - start) // count
+    if width < 500:
+        return None
+    low = start + int(worker[2:]) * width
+    return f"{low}-{low + width - 1}"
+
+
+if (_ports := _worker_port_range()) is not None:
+    os.environ.setdefault("AFD_PORT_RANGE", _ports)  # the servers and processes it starts too
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """Work units for ./scripts/test's workers: every end-to-end module together, one

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
+import queue
 import time
 from pathlib import Path
+
+from afd_core.net import free_port  # noqa: F401 (the tests take it from here)
 
 HIDDEN = 8
 LAYERS = 3
@@ -39,12 +41,6 @@ def wait_for(path: Path, wait_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path.name} never came")
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make(
@@ -140,7 +136,17 @@ def run_processes(
     results = {}
     try:
         for _ in range(len(procs) if expect is None else expect):
-            key, out = q.get(timeout=timeout)
+            try:
+                key, out = q.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"no result for {timeout:.0f} s; results so far: {sorted(results)}; "
+                    + ", ".join(
+                        f"{t.__qualname__}{tuple(args)[:2]}: "
+                        + ("running" if p.is_alive() else f"exit code {p.exitcode}")
+                        for p, (t, *args) in zip(procs, targets_and_args, strict=True)
+                    )
+                ) from None
             results[key] = out
     finally:
         for p in procs:

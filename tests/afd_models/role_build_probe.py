@@ -81,8 +81,6 @@ def ffn_vs_native(job, build) -> dict:
 
 def main():
     jobs = json.loads(sys.argv[1])
-    import socket
-
     import vllm.v1.worker.cpu.shm  # noqa: F401 - as vLLM's CPU worker: CPU stand-ins for CUDA
     from vllm.config import AttentionConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -92,6 +90,7 @@ def main():
     import afd_models.deepseek_v2 as ds
     import afd_models.deepseek_v4 as v4
     import afd_models.qwen3_moe as qw
+    from afd_core.net import free_port
 
     wrappers = [ds.AFDDeepseekV2ForCausalLM, qw.AFDQwen3MoeForCausalLM, v4.AFDDeepseekV4ForCausalLM]
     try:  # vLLM's qwen3_5 needs torchvision (the stand-in, in the process that builds it)
@@ -143,9 +142,7 @@ def main():
 
     CpuPlatform.get_attn_backend_cls = classmethod(select)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     distributed = False
 
     def build(job, role):

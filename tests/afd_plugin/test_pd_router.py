@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from afd_core.net import free_port
 from afd_plugin.cli import main
 from afd_plugin.deploy.pd_router import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -90,9 +90,7 @@ def backends():
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # free now, and this worker's own (AFD_PORT_RANGE)
 
 
 def router(prefill, decode, **kw) -> RunningRouter:
