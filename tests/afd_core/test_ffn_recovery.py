@@ -12,6 +12,7 @@ review M6), real processes over gloo:
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import traceback
@@ -102,6 +103,7 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
             FFNStepServer(conn, list(range(LAYERS)), compute, group=group).serve(threading.Event())
         except Exception as exc:  # the group broke: vLLM stops the whole FFN server
             (marks / f"error-ffn{rank}-{incarnation}").write_text(f"{type(exc).__name__}: {exc}")
+            print(f"{name} exits on: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             (marks / f"gone-ffn{rank}-{incarnation}").touch()
             os._exit(1)
         out = {"steps": group.steps, "lost": conn.peers_lost}
@@ -112,14 +114,15 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
         q.put((name, "ERROR " + traceback.format_exc()))
 
 
-def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None):
-    """Attention server `rank` (one rank), its `incarnation`-th process, stepping until
-    `plan` says it is done:
+def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None, server_size=1):
+    """Attention server `rank` (one rank; or a rank of the server of `server_size` ranks
+    from start_rank), its `incarnation`-th process, stepping until `plan` says it is done:
 
     * "die-with-ffn": after 3 good steps, it dies (without a goodbye) once it lost its FFN
       rank; its restart (incarnation 1) starts on marks/"restart-att<rank>";
     * "recover": it waits out the loss of its FFN rank and is served SERVED_AGAIN steps
-      after it is back (as often as marks/"losses-att<rank>" says);
+      after it is back (as often as marks/"losses-att<rank>" says), then steps on until
+      marks/"stop" exists (a rank of a server of several ranks leaves at once);
     * "steady": it must never fail a step, until marks/"stop" exists.
     """
     name = f"att{rank}-{incarnation}"
@@ -149,7 +152,10 @@ def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None):
             served = outcomes[-SERVED_AGAIN:] == ["ok"] * SERVED_AGAIN
             if plan == "recover" and lost_count == losses and served:
                 (marks / f"done-{name}").touch()
-                if (marks / "stop").exists():
+                # the ranks of one server leave together, as a vLLM server's data-parallel
+                # ranks do: after the same SERVED_AGAIN steps on their new links (one
+                # leaving a step before the other would fail their expert group's step)
+                if server_size > 1 or (marks / "stop").exists():
                     break
             try:
                 began = time.monotonic()
@@ -191,9 +197,21 @@ def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None):
         q.put((name, "ERROR " + traceback.format_exc()))
 
 
-def server_attention(rank, a, f, port, marks, plan, incarnation, start_rank, q):
-    """`attention` for a rank of an attention server whose first rank is start_rank."""
-    attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=start_rank)
+def server_attention(rank, a, f, port, marks, plan, incarnation, start_rank, server_size, q):
+    """`attention` for a rank of an attention server of `server_size` ranks from
+    start_rank."""
+    attention(
+        rank,
+        a,
+        f,
+        port,
+        marks,
+        plan,
+        incarnation,
+        q,
+        start_rank=start_rank,
+        server_size=server_size,
+    )
 
 
 def _collapse(outcomes: list[str]) -> list[str]:
@@ -326,8 +344,8 @@ def test_an_expert_group_losing_one_member_fails_its_peers_steps_and_reforms_whe
         (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 0),
         (group_ffn, 0, 2, 2, 0, 2, port, tmp_path, 1),
         (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 1),
-        (server_attention, 0, 2, 2, port, tmp_path, "recover", 0, 0),
-        (server_attention, 1, 2, 2, port, tmp_path, "recover", 0, 0),
+        (server_attention, 0, 2, 2, port, tmp_path, "recover", 0, 0, 2),
+        (server_attention, 1, 2, 2, port, tmp_path, "recover", 0, 0, 2),
         (conductor, tmp_path, script),
     ]
     out = run_processes(targets, timeout=200, expect=5)  # both first FFN processes exit
@@ -371,8 +389,8 @@ def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_s
         (group_ffn, 1, 3, 3, 1, 2, port, tmp_path, 1),
         (group_ffn, 2, 3, 3, 1, 2, port, tmp_path, 1),
         (attention, 0, 3, 3, port, tmp_path, "steady", 0),
-        (server_attention, 1, 3, 3, port, tmp_path, "recover", 0, 1),
-        (server_attention, 2, 3, 3, port, tmp_path, "recover", 0, 1),
+        (server_attention, 1, 3, 3, port, tmp_path, "recover", 0, 1, 2),
+        (server_attention, 2, 3, 3, port, tmp_path, "recover", 0, 1, 2),
         (conductor, tmp_path, script),
     ]
     out = run_processes(targets, timeout=200, expect=7)  # FFN 1-2's first processes exit
