@@ -22,10 +22,18 @@ def pytest_collection_modifyitems(config, items):
         needs_vllm = item.get_closest_marker("vllm") or item.get_closest_marker("e2e")
         if not HAVE_VLLM and needs_vllm:
             item.add_marker(skip_vllm)
+    # one definition of the end-to-end tier: its folder (the workers' lane) and its marker
+    # (`-m "not e2e"`) must name the same tests
+    for item in items:
+        if item.nodeid.startswith(E2E_LANE) != (item.get_closest_marker("e2e") is not None):
+            raise pytest.UsageError(
+                f"{item.nodeid}: end-to-end tests live in {E2E_LANE} and carry the e2e "
+                "marker (pytestmark = pytest.mark.e2e); others do neither"
+            )
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # on several workers (./scripts/test) the end-to-end lane is handed out first
         # (pytest_xdist_make_scheduler), so the other modules run beside it
-        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+        items.sort(key=lambda item: not item.nodeid.startswith(E2E_LANE))
 
 
 E2E_LANE = "tests/e2e/"
