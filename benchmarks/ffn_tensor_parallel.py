@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import time
+
+from afd_core.net import free_port
 
 HIDDEN = 2048
 ROWS = (1, 16, 64, 256)
 ATT, TP0, TP1 = 2, 0, 1  # group ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(group_rank: int, port: int, iters: int, q) -> None:

@@ -50,7 +50,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -60,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT / "packages" / "afd-core" / "src", ROOT):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from afd_core.net import free_port  # noqa: E402 (the source tree is on the path now)
 
 LAYERS = 4
 HIDDEN = 1024
@@ -802,12 +803,6 @@ def run_restart_session(kind, timeout_s, log) -> tuple[dict, dict]:
 
 
 # -- the parent ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_session(kind, scenarios, timeout_s, log) -> tuple[dict, list[str], dict]:
