@@ -107,6 +107,7 @@ class PointToPointConnector(
         self._peer_left = [False] * len(self.peers)  # gone with a goodbye (not lost)
         self._peer_server: list[int] = [0] * len(self.peers)  # peers of one server step together
         self._inbox: ControlInbox | None = None
+        self._stop_reason: str | None = None  # FFN side: stop_serving's, for the inbox
         self._rejoin_watch: RejoinWatch | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next

@@ -21,15 +21,27 @@ two attention servers do not. `check_peers` enforces that at start-up.
 
 The vectors travel on a transport of the group's own (the control channel: a member waits
 there while its peers' forward starts).
+
+A member whose process dies stops the others at once, idle or not (`watch_members`): each
+keeps a receive posted on the group's status channel, on which no member sends, and which
+fails when a member's connection closes. An idle member would otherwise learn of it only
+at its next step, and its attention peer, held until its siblings are served again
+(served_together.py), would send none.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd_core.connectors.base import AFDPeerError, StepPlan
 from afd_core.connectors.protocol.control import MAX_MICROBATCHES
+from afd_core.connectors.transports.rendezvous import CONTROL_TIMEOUT
 from afd_core.connectors.transports.transport import Transport, TransportError
+from afd_core.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def expert_group_name(first_ffn_rank: int) -> str:
@@ -78,6 +90,7 @@ class ExpertGroup:
         self.steps = 0  # group steps agreed
         # (member, micro-batch) pairs computed without rows of the member's own, any member
         self.zero_row_microbatches = 0
+        self._closed = False
 
     @property
     def ffn_rank(self) -> int:
@@ -142,5 +155,40 @@ class ExpertGroup:
         )
         return agreed
 
+    @property
+    def members(self) -> str:
+        return f"FFN ranks {self.first_ffn_rank}..{self.first_ffn_rank + self.size - 1}"
+
+    def watch_members(self, on_lost: Callable[[str], None]) -> None:
+        """Call on_lost(reason) from a thread of its own once another member's connection
+        closes (its process died or left), while this member serves or idles."""
+        for r in range(self.size):
+            if r != self.rank:
+                threading.Thread(
+                    target=self._watch,
+                    args=(r, on_lost),
+                    name=f"afd-ffn-{self.ffn_rank}-group-watch-{self.first_ffn_rank + r}",
+                    daemon=True,
+                ).start()
+
+    def _watch(self, r: int, on_lost: Callable[[str], None]) -> None:
+        import torch
+
+        buf = torch.zeros(1, dtype=torch.uint8)
+        try:
+            # nothing is ever sent on this channel: the receive ends with the connection
+            self.transport.irecv_status(buf, r).wait(CONTROL_TIMEOUT.total_seconds())
+        except TransportError as exc:
+            if not self._closed:
+                on_lost(
+                    f"FFN rank {self.ffn_rank}: its expert group ({self.members}) lost FFN "
+                    f"rank {self.first_ffn_rank + r}: {exc}; the group cannot step without "
+                    "it, so this FFN rank stops (restart the FFN server)"
+                )
+            return
+        except Exception:  # noqa: BLE001 - a watch must not die silently
+            logger.exception("AFD FFN rank %d: group watch failed", self.ffn_rank)
+
     def close(self) -> None:
+        self._closed = True
         self.transport.close()

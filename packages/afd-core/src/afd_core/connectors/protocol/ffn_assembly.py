@@ -58,6 +58,8 @@ class FFNStepAssembly:
             self._inbox.start()
             if self.survives_peer_loss:
                 self._start_rejoin_watch()  # admission/rejoin.py
+            if self._stop_reason is not None:  # stop_serving came before the first step
+                self._inbox.put(0, StopServing(self._stop_reason))
         while True:
             arrived = self._gather_control()
             # only goodbyes (or a departed peer's last socket error): no step to serve
@@ -126,6 +128,13 @@ class FFNStepAssembly:
                         self._lose_peer_or_raise(j, late)
                 return arrived
             self._take_control(item, arrived)
+
+    def stop_serving(self, reason: str) -> None:
+        """Any thread: this FFN rank stops, raising AFDPeerError(reason) where its serving
+        thread next waits for a step (at once when idle; a step in flight ends first)."""
+        self._stop_reason = reason
+        if self._inbox is not None:
+            self._inbox.put(0, StopServing(reason))
 
     def _take_control(self, item, arrived: dict[int, ControlMessage]) -> None:
         """Check one peer's control message and add it to the step, or hold it back for the
