@@ -35,6 +35,7 @@ WAIT_S = 90.0  # bound on every wait for another process of the test
 TIMEOUT_S = 3.0  # every side's step timeout
 GRACE_S = 3.0  # recovery_grace_s of these tests
 SERVED_AGAIN = 4  # steps an attention server must be served after its FFN rank is back
+SLOW_MEMBER_S = 1.5  # a restarted expert group's last member starts this much later
 
 
 def ffn(rank, a, f, port, marks, incarnation, q):
@@ -85,12 +86,18 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
                 wait_for(marks / f"gone-ffn{m}-{incarnation - 1}", WAIT_S)
             wait_for(marks / f"restart-ffn{first}-{incarnation}", WAIT_S)
             (marks / f"restarted-ffn{rank}-{incarnation}").write_text(str(time.time()))
+            if rank == first + size - 1:
+                # its last member loads slower: its attention peer is served again well
+                # after its siblings are (the watches alone differ by up to a second)
+                time.sleep(SLOW_MEMBER_S)
         conn = make("ffn", rank, a, f, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=first)
+        conn.expert_group_size = size  # as FFNRole sets it: its peers are told
         conn.init()
         side = conn.make_side_transport(expert_group_name(first), rank - first, size, 2.0)
         side.connect()
         group = ExpertGroup(side, rank - first, size, first)
         group.check_peers(conn.peer_servers())
+        group.watch_members(conn.stop_serving)  # as FFNRole does
         crash = marks / f"crash-ffn{rank}-{incarnation}"
 
         def compute(layer, h, logits, ids, group_rows):
@@ -139,6 +146,9 @@ def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None, se
         t0 = time.monotonic()
         conn.init()
         init_s = time.monotonic() - t0
+        together = None
+        if server_size > 1:  # the ranks of one server step in lockstep, as vLLM's DP ranks
+            together = _served_together(marks, rank, start, server_size, conn.ffn_expert_group)
         outcomes, back_at, lost_at, lost_count, slowest = [], [], [], 0, 0.0
         deadline = time.monotonic() + WAIT_S
         (marks / f"up-{name}").touch()
@@ -159,6 +169,8 @@ def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None, se
                     break
             try:
                 began = time.monotonic()
+                if together is not None:
+                    together.check(conn)
                 ok = checked_step(conn, rank, len(outcomes), LAYERS)
                 slowest = max(slowest, time.monotonic() - began)
                 if outcomes and outcomes[-1] == "lost":
@@ -195,6 +207,38 @@ def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None, se
         )
     except Exception:
         q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def _served_together(marks, rank, start, size, ffn_expert_group):
+    """The lockstep of an attention server's DP ranks, and its per-step agreement: a gloo
+    group of the server's ranks (a stand-in for vLLM's DP CPU group, on the port in
+    marks/"dp-port-<start>"), with afd_core's ServedTogether over it, or a plain
+    all-reduce per step where marks/"without-served-together" exists (the gap it closes)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from afd_core.step.served_together import ServedTogether, gather_over
+
+    index = rank - start
+    store = dist.TCPStore(
+        "127.0.0.1",
+        int((marks / f"dp-port-{start}").read_text()),
+        size,
+        is_master=index == 0,
+        timeout=timedelta(seconds=WAIT_S),
+    )
+    group = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=WAIT_S))
+    gather = gather_over(group, index, size)
+    assert any(gather(int(ffn_expert_group > 1))), ffn_expert_group  # told at the handshake
+    if (marks / "without-served-together").exists():
+
+        class Lockstep:
+            def check(self, conn):
+                gather(1)
+
+        return Lockstep()
+    return ServedTogether(gather, list(range(start, start + size)), index)
 
 
 def server_attention(rank, a, f, port, marks, plan, incarnation, start_rank, server_size, q):
@@ -334,6 +378,7 @@ def test_an_expert_group_losing_one_member_fails_its_peers_steps_and_reforms_whe
     for rank in (0, 1):
         (tmp_path / f"losses-att{rank}").write_text("1")
     port = free_port()
+    (tmp_path / "dp-port-0").write_text(str(free_port()))
     script = [
         ("stepped-att1-0", "crash-ffn1-0"),
         ("lost-att1-0-1", "restart-ffn0-1"),  # restarts once both members are gone
@@ -377,6 +422,7 @@ def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_s
     for rank in (1, 2):
         (tmp_path / f"losses-att{rank}").write_text("1")
     port = free_port()
+    (tmp_path / "dp-port-1").write_text(str(free_port()))
     script = [
         ("stepped-att2-0", "crash-ffn2-0"),
         ("lost-att2-0-1", "restart-ffn1-1"),

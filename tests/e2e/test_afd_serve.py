@@ -480,3 +480,78 @@ def test_data_parallel_attention_with_microbatches(arch, checkpoints, log_dir):
             assert steps.get(1, 0) == 0, steps
         else:
             assert steps.get(1, 0) >= MAX_TOKENS, steps
+        if f > 1:
+            _restart_the_expert_group_under_traffic(ffn, att, servers, log_dir, _ALONE[arch])
+
+
+def _restart_the_expert_group_under_traffic(ffn, att, servers, log_dir, alone) -> None:
+    """The FFN server (its two ranks one expert group) is killed and restarted while a
+    client keeps sending requests to the attention server (its two DP ranks in lockstep):
+    every request ends within its bound, with the colocated tokens or an error, and once
+    the attention server is healthy again its ranks are served by the re-formed group
+    (they switch to their new links at the same step: step/served_together.py) without
+    the group breaking again."""
+    set_m(att, 1)
+    stop, history = threading.Event(), []
+
+    def client():
+        i = 0
+        while not stop.is_set() and len(history) < 2000:  # bounded (and by the waits below)
+            began = time.monotonic()
+            try:
+                got = complete(att.url, PROMPTS[i % 2], MAX_TOKENS, timeout=STEP_TIMEOUT_S + 30)
+                history.append((began, time.monotonic(), i % 2, got.token_ids))
+            except Exception as exc:  # noqa: BLE001 - the history is checked below
+                history.append((began, time.monotonic(), i % 2, exc))
+                # failed at once, the FFN server down: slowly, or the attention workers'
+                # failing steps (vLLM's DP waves) keep both cores of a small machine from
+                # the restarting FFN server
+                time.sleep(3.0)
+            i += 1
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        time.sleep(2.0)  # served
+        os.killpg(ffn.proc.pid, signal.SIGKILL)
+        ffn.proc.wait(30)
+        killed = time.monotonic()
+        restarted = Server(ffn.spec, ffn.log_path.parent)
+        restarted.log_path = log_dir / f"{ffn.spec.name}-restarted.log"
+        servers.insert(servers.index(att), restarted)  # stopped before the attention server
+        restarted.start()
+        while not att.is_healthy():
+            assert restarted.proc.poll() is None, restarted.log_tail(60)
+            assert att.proc.poll() is None, att.log_tail(60)
+            assert time.monotonic() - killed < 300, (att.log_tail(40), restarted.log_tail(40))
+            time.sleep(0.5)
+        healthy = time.monotonic()
+        # traffic on the re-formed group: at least six requests served after /health said so
+        while sum(1 for b, _, _, r in history if b > healthy and isinstance(r, list)) < 6:
+            assert restarted.proc.poll() is None, restarted.log_tail(60)
+            assert time.monotonic() - healthy < 120, (att.log_tail(40), restarted.log_tail(40))
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(STEP_TIMEOUT_S + 60)
+    assert not thread.is_alive(), "a request hung"
+    for began, ended, prompt, result in history:
+        assert ended - began < STEP_TIMEOUT_S + 30, (began, ended, result)
+        if isinstance(result, list):  # served: the colocated tokens, before and after
+            assert result == alone[prompt].token_ids, (prompt, result)
+        else:
+            assert isinstance(result, ServerError) and "500" in str(result), result
+    after = [r for b, _, _, r in history if b > healthy]
+    assert all(isinstance(r, list) for r in after), after  # the group did not break again
+    failed = sum(1 for *_, r in history if not isinstance(r, list))
+    log = att.log_path.read_text(errors="replace")
+    assert log.count(") serves this rank again after") == 2, att.log_tail(60)  # both ranks
+    held = log.count("served on a new link, but holds its steps")
+    print(
+        f"\nexpert group restarted under traffic: attention server healthy "
+        f"{healthy - killed:.1f} s after the kill; {len(history)} requests, {failed} failed "
+        f"(all while the FFN server was down), {len(after)} served after; a rank held its "
+        f"steps for its sibling {held} time(s)"
+    )
+    ffn_log = restarted.log_path.read_text(errors="replace")
+    assert "lost a member" not in ffn_log and "lost FFN rank" not in ffn_log, ffn_log[-3000:]

@@ -242,6 +242,12 @@ def test_afd_launch_on_four_hosts_gives_the_colocated_tokens(checkpoints, log_di
         assert "STRANGER-REFUSED" in refused and "STRANGER-WROTE" not in refused, refused
         assert "NOSECRET-REFUSED" in refused and "requires the deployment secret" in refused
         assert_same(reference(ARCH, colocated), got)
+        # its FFN ranks are an expert group: both attention DP ranks began every step with
+        # served_together's all-reduce over vLLM's own DP group (and the tokens are right)
+        attention_logs = "".join(
+            log.read_text() for host in ("a0", "a1") for log in log_dir.glob(f"{layout}/{host}/*")
+        )
+        assert attention_logs.count("are expert groups: they are served together") == 2
         for role_steps in steps.values():
             assert role_steps.get("0", 0) > 0 and role_steps.get("1", 0) > 0, steps
         assert healthy == "200", healthy

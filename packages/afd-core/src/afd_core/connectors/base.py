@@ -100,6 +100,11 @@ class AFDConnector(ABC):
         # server's ranks in lockstep; with async_dp its DP rank's TP ranks, set by the
         # role); its FFN rank waits for all of them once one announces a step
         self.steps_with = config.start_rank
+        # FFN: how many FFN ranks of its server run every step together (its data-parallel
+        # size: an expert group, set by the role); attention: its FFN rank's, told at the
+        # handshake
+        self.expert_group_size = 1
+        self.ffn_expert_group = 1
 
     @property
     @abstractmethod

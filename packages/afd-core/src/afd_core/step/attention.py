@@ -29,6 +29,7 @@ from afd_core.connectors.base import (
 from afd_core.connectors.protocol.control import ControlFlag
 from afd_core.log import get_logger
 from afd_core.step.microbatch import MicrobatchExecutor, MicrobatchStalled
+from afd_core.step.served_together import ServedTogether
 from afd_core.trace import now, trace_for
 
 logger = get_logger(__name__)
@@ -52,6 +53,8 @@ class AttentionStepDriver:
         self.startup_timeout_s = _step_timeout_s(connector, "startup_timeout_s")
         if self.startup_timeout_s is not None and self.stall_timeout_s is not None:
             self.startup_timeout_s = max(self.startup_timeout_s, self.stall_timeout_s)
+        # set by the role where the server's DP ranks are served together (served_together.py)
+        self.served_together: ServedTogether | None = None
 
     def run(
         self,
@@ -68,6 +71,8 @@ class AttentionStepDriver:
             raise ValueError(f"{len(jobs)} micro-batch jobs for {len(rows)} announced")
         conn = self.connector
         t0 = now()
+        if self.served_together is not None:
+            self.served_together.check(conn)  # every DP rank of the server, every step
         msg = conn.begin_step(tuple(rows), flags)
         stall_s = self.startup_timeout_s if flags & ControlFlag.STARTUP else self.stall_timeout_s
         try:

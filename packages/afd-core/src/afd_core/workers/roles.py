@@ -31,6 +31,7 @@ from afd_core.step.ffn import FFNStepServer
 from afd_core.step.ffn_tp import TensorParallelFollower, TensorParallelLeader, tp_group_name
 from afd_core.step.graphs import FFNGraphCache, find_graph_wrapper
 from afd_core.step.sequence_split import SequenceSplit
+from afd_core.step.served_together import for_attention_server
 from afd_core.step.split import SplitPolicy
 from afd_core.step.wrapper import AFDStepWrapper, AttentionStepEngine
 
@@ -199,6 +200,10 @@ class AttentionRole(_Role):
             # vLLM's graphs, captured once at start-up, hold this link's communicators: a
             # new FFN rank's link could not be replayed, so a lost FFN rank stops the server
             self.connector.ffn_loss_fatal = True
+        # where the DP ranks' FFN ranks are one expert group: served again together
+        self.engine.driver.served_together = for_attention_server(
+            self.vllm_config, self.config, self.connector
+        )
         runner.model = AFDStepWrapper(model, self.engine)
         runner.afd_engine = self.engine
 
@@ -268,6 +273,7 @@ class FFNRole(_Role):
             self.layer_context = layer_context
         wire = make_wire_spec(self.vllm_config, model)
         self.connector = build_connector(self.config, self.rank, wire)
+        self.connector.expert_group_size = self.dp_size  # told to its peers at the handshake
         self.warm_up(wire)
         if graphs is not None and self.tp_size == 1 and self.dp_size == 1:
             # a TP leader shares each computation with its followers, an expert group's
@@ -282,6 +288,7 @@ class FFNRole(_Role):
             self.tp_leader = TensorParallelLeader(self._tp_transport(), self.tp_size, self.rank)
         if self.dp_size > 1:
             self.group = self._join_expert_group()
+            self.group.watch_members(self.connector.stop_serving)
         self.server = FFNStepServer(
             self.connector,
             model.ffn_layer_indices(),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NoReturn
 
 from afd_core.connectors.admission.formation import REFORMING_KEY
 from afd_core.connectors.admission.membership import FORMED_KEY
@@ -92,6 +93,32 @@ class AwaitingFFN:
             return False
         watch.wake()
         return True
+
+    def link_steps(self) -> int | None:
+        """None while no FFN rank serves this rank; else the steps begun on its link (0: a
+        fresh link, on which no step went yet)."""
+        with self._lock:
+            if self._ffn_lost is not None or self._transport is None or self._closed:
+                return None
+            return self._step
+
+    def hold_step(self, waiting_for: str) -> NoReturn:
+        """Fail this step at once without sending anything (step/served_together.py): a
+        rank it steps together with is `waiting_for` its FFN rank. A rank served on a new
+        link keeps it idle (its heartbeat keeps it alive): its step 0 goes later, at the
+        same step as its siblings' (their FFN ranks' group waits for all of them)."""
+        if self._fatal is not None:
+            raise self._fatal
+        self._count_step(failed=True)
+        with self._lock:
+            lost = self._ffn_lost is not None
+        if lost:
+            raise self._ffn_lost_error()
+        raise AFDFFNLostError(
+            f"{self._me()}: step held: {waiting_for}; the ranks of this server step together "
+            "and their FFN ranks are one expert group, so they are served again together, "
+            "from the first step every one of them begins served"
+        )
 
     def _ffn_lost_error(self) -> AFDFFNLostError:
         since = time.monotonic() - self._ffn_lost_at

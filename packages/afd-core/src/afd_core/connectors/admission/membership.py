@@ -319,6 +319,10 @@ class StartupMembership:
             # server's ranks (its start rank), or one DP rank's with async_dp; two such
             # groups step on their own
             "server": self.steps_with,
+            # FFN side: how many FFN ranks of its server run every step together (an
+            # expert group, step/expert_group.py); its attention peers then switch to a
+            # returned FFN server's links together (step/served_together.py)
+            "expert_group": self.expert_group_size,
         }
 
     def _take_hello(self, i: int, theirs: dict) -> None:
@@ -335,7 +339,7 @@ class StartupMembership:
             for field in mine
             # each side's own; the FFN side may hold the router weights or not (the width
             # is compared)
-            if field not in ("role", "role_rank", "max_tokens", "server")
+            if field not in ("role", "role_rank", "max_tokens", "server", "expert_group")
             and theirs.get(field) != mine[field]
         ]
         if theirs.get("role") != "attention" or theirs.get("role_rank") != peer:
@@ -369,6 +373,9 @@ class StartupMembership:
         else:
             try:
                 verdict = t.store_get(verdict_key, timeout_s).decode()
+                if verdict == "ok":  # the FFN rank's hello was set before its verdict
+                    theirs = json.loads(t.store_get(f"{gp}/hello/0", timeout_s))
+                    self.ffn_expert_group = int(theirs.get("expert_group") or 1)
             except TransportError:
                 verdict = f"FFN rank {self.group} gave no verdict within {timeout_s:.0f}s"
         if verdict != "ok":
