@@ -11,8 +11,7 @@ step before its sibling sends that step to its member, which waits in the group'
 agreement for the sibling's member; the sibling began the same step not yet served, failed
 it at once, and waits in vLLM's DP synchronisation for the first rank to finish. Nothing
 moves until the agreement's bound (timeout_s) breaks the re-formed group, and the FFN
-server stops again. The same holds while one rank's link alone is lost: its siblings'
-steps wait for a member that has no peer stepping.
+server stops again.
 
 So on such a server every step begins with one small all-reduce over vLLM's DP group (its
 CPU group), of each rank's "served by my FFN rank now". Where every rank is served, the
@@ -23,6 +22,10 @@ one of them begins served. A rank that stepped on its link before steps on, as w
 this check: where its sibling lost its FFN rank, its own FFN rank's group lost a member,
 and its step fails there at once (or its FFN rank already stopped, expert_group.py's
 watch), so it learns that its FFN server is gone instead of idling on a dead link.
+
+Not covered: one rank's link alone lost while its FFN server runs on (a hang or a
+partition of that link only): its siblings step on, their members wait in the agreement
+for the member without a stepping peer, and the group breaks as before.
 
 It costs one all-reduce of `data_parallel_size` int32 per step, only on attention servers
 with data parallelism (lockstep, not async_dp) whose links fail alone, and whose FFN ranks
