@@ -39,6 +39,18 @@ def can_make_namespaces() -> str | None:
     return None
 
 
+def require_tools(*names: str) -> None:
+    """A fault test's tools (iptables, tc) are on PATH: an error naming the missing ones
+    before any namespace or server is made (not a skip: the test has not run)."""
+    import shutil
+
+    if missing := [n for n in names if shutil.which(n) is None]:
+        raise RuntimeError(
+            f"this test needs {', '.join(missing)} on PATH to inject its faults inside the "
+            "namespaces; install them (Debian: apt-get install iptables iproute2)"
+        )
+
+
 def _ip(*args: str, ns: str | None = None) -> None:
     cmd = ["ip", *args] if ns is None else ["ip", "netns", "exec", ns, "ip", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)

@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 
 from tests.afd_core.gloo_harness import _child, _context, checked_step, free_port, make
-from tests.netns import enter, hosts, listeners
+from tests.netns import enter, hosts, listeners, require_tools
 
 pytestmark = pytest.mark.vllm  # needs torch
 
@@ -431,6 +431,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def test_faults_on_a_seeded_schedule_lose_nothing_and_every_server_recovers(tmp_path):
+    require_tools("iptables", "tc")
     rng = random.Random(SEED)
     kinds = schedule(rng, FAULTS)
     print(f"\nnemesis seed {SEED}: {kinds}")

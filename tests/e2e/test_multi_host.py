@@ -29,7 +29,7 @@ import pytest
 from afd_plugin.deploy.servers import BASE_ENV, SHARED_CORES, Completion, running
 from tests.afd_core.test_rendezvous import STRANGER_WITHOUT_SECRET
 from tests.e2e.conftest import MAX_TOKENS, PROMPTS, assert_same, reference, with_reference
-from tests.netns import hosts, listeners
+from tests.netns import hosts, listeners, require_tools
 
 pytestmark = pytest.mark.e2e
 
@@ -345,6 +345,8 @@ def test_an_attention_server_losing_a_host_costs_the_other_server_nothing(
     steady load throughout, loses no request and gets the colocated tokens; the FFN server
     and B stay up and healthy."""
     import random
+
+    require_tools("iptables")
 
     from tests.afd_core.test_nemesis import hostile
 
