@@ -27,8 +27,9 @@ from tests.afd_core.gloo_harness import (
 pytestmark = pytest.mark.vllm  # needs torch
 
 
-def _thread_group(size: int, work) -> list:
-    """work(gather, index) on `size` threads over one gloo group; their results."""
+def _on_gloo_threads(size: int, work) -> list:
+    """work(group, index) on `size` threads, each a rank of one gloo group; their results
+    (or the exception each raised)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -39,7 +40,7 @@ def _thread_group(size: int, work) -> list:
     def run(i):
         try:
             group = dist.ProcessGroupGloo(store, i, size, timedelta(seconds=20))
-            results[i] = work(gather_over(group, i, size), i)
+            results[i] = work(group, i)
         except BaseException as exc:  # noqa: BLE001 - reported below
             results[i] = exc
 
@@ -49,6 +50,11 @@ def _thread_group(size: int, work) -> list:
     for t in threads:
         t.join(30)
     return results
+
+
+def _thread_group(size: int, work) -> list:
+    """work(gather, index) on `size` threads over one gloo group; their results."""
+    return _on_gloo_threads(size, lambda group, i: work(gather_over(group, i, size), i))
 
 
 def test_gather_over_a_gloo_group_gives_every_ranks_value_in_rank_order():
@@ -134,30 +140,14 @@ def test_for_attention_server_agrees_across_the_dp_group_whether_any_ffn_rank_is
     afd = SimpleNamespace(async_dp=False, start_rank=6)
 
     def attach(groups):
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        store = dist.HashStore()
-        out: list = [None, None]
-
-        def run(i):
-            local.dp = SimpleNamespace(
-                cpu_group=dist.ProcessGroupGloo(store, i, 2, timedelta(seconds=20)),
-                rank_in_group=i,
-                world_size=2,
-            )
+        def run(group, i):
+            local.dp = SimpleNamespace(cpu_group=group, rank_in_group=i, world_size=2)
             conn = SimpleNamespace(
                 ffn_loss_fatal=False, survives_peer_loss=True, ffn_expert_group=groups[i]
             )
-            out[i] = for_attention_server(config, afd, conn)
+            return for_attention_server(config, afd, conn)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
+        return _on_gloo_threads(2, run)
 
     together = attach([1, 2])
     assert all(isinstance(t, ServedTogether) for t in together)
