@@ -346,6 +346,9 @@ def test_a_peer_whose_first_step_comes_after_the_connect_timeout_is_served(monke
     within 2592000s") and took the deployment down."""
     if connector == "nccl":
         monkeypatch.setenv("AFD_TEST_CONNECTOR", "nccl")
+    # the rendezvous waits for the processes to start (seconds apart on a loaded machine:
+    # CI once missed a 2 s bound there); only the pairs' connect has the short bound
+    monkeypatch.setenv("AFD_TEST_STARTUP_TIMEOUT_S", "30")
     port = free_port()
     out = run_processes([(late_ffn, port, 2)] + [(late_attn, port, 2, r) for r in range(2)])
     assert out == {"ffn": "ok", 0: "ok", 1: "ok"}, out

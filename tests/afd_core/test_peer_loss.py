@@ -330,10 +330,11 @@ def test_a_restart_that_dies_during_its_rejoin_costs_the_other_server_nothing(tm
     """Issue 36 (review M5): a restarted process is admitted and dies before it connects
     its link. Its FFN rank waits for that link on its rejoin thread, not on its serving
     thread: the other server's steps stay fast (the serving thread used to wait the gloo
-    pair's connect bound, 6 s here, while a healthy server's step waited with it), and
-    the real restart rejoins after it."""
+    pair's connect bound, 30 s here, while a healthy server's step waited with it: about
+    28 s), and the real restart rejoins after it. Quiet, the slowest step takes ~20 ms;
+    the bound leaves room for a loaded CI machine (2.95 s seen there)."""
     out = _run(tmp_path, ("leave", 3), misfit_first="after-junk", junk_first="stalled")
     assert out["junk"] == "ok"
-    assert out[0]["wrong"] == 0 and out[0]["slowest"] < 2.0, out[0]
+    assert out[0]["wrong"] == 0 and out[0]["slowest"] < 10.0, out[0]
     assert out["again"]["outcome"] == [True] * STEPS
     assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
