@@ -27,6 +27,7 @@ def msg(**kw):
         msg(tokens=(0,)),
         msg(tokens=(256,) * MAX_MICROBATCHES),
         msg(flags=ControlFlag.WARMUP | ControlFlag.CAPTURE, tokens=(1,)),
+        msg(senders=0b101),  # DP ranks 0 and 2 of its server send this step
     ],
 )
 def test_round_trip(m):
@@ -59,7 +60,7 @@ def corrupt(index, value):
     "words,match",
     [
         (corrupt(0, 0x1234), "bad magic 0x1234"),
-        (corrupt(1, 1), "protocol version 1, this rank speaks 4"),
+        (corrupt(1, 1), "protocol version 1, this rank speaks 5"),
         (corrupt(2, 0), "says it comes from attention rank 0"),
         (corrupt(4, 128), "unknown flags 0x80"),
         (corrupt(4, 64), "a <ControlFlag.HEARTBEAT: 64> message carries rows"),
@@ -68,9 +69,10 @@ def corrupt(index, value):
         (corrupt(6, 128), "hidden_size=128, but this FFN rank's model has hidden_size=64"),
         (corrupt(7, 2), "dtype='bfloat16', but this FFN rank runs 'float32'"),
         (corrupt(7, 99), "dtype=99"),
-        (corrupt(8, -1), "negative token count"),
-        (corrupt(8, 257), "257 tokens in one micro-batch exceed the 256 that rank announced"),
-        (corrupt(11, 4), "non-zero padding"),
+        (corrupt(8, -1), "senders=-1; allowed a non-negative bit mask"),
+        (corrupt(9, -1), "negative token count"),
+        (corrupt(9, 257), "257 tokens in one micro-batch exceed the 256 that rank announced"),
+        (corrupt(12, 4), "non-zero padding"),
         (msg().encode()[:-1], f"{MESSAGE_LEN - 1} words, expected {MESSAGE_LEN}"),
     ],
 )
@@ -87,6 +89,7 @@ def test_malformed(words, match):
         (msg(tokens=(1,) * 5), "5 micro-batches"),
         (msg(tokens=(-1,)), "negative"),
         (msg(dtype="int8"), "dtype 'int8' cannot be sent"),
+        (msg(senders=-2), "senders=-2"),
     ],
 )
 def test_encode_rejects(m, match):

@@ -4,15 +4,17 @@ be, and knows every member's rows (vLLM's DP metadata); across real processes on
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 import traceback
 
 import pytest
 
 from afd_core.connectors.base import AFDPeerError, StepPlan
 from afd_core.connectors.protocol.control import ControlFlag
-from afd_core.connectors.transports.transport import Completed
+from afd_core.connectors.transports.transport import Completed, TransportError
 from afd_core.step.expert_group import ExpertGroup, GroupStep, agree, expert_group_name
 from tests.afd_core.gloo_harness import assert_no_errors, free_port, make, run_processes
 from tests.afd_core.test_scale_out import job
@@ -53,24 +55,27 @@ class _QueueTransport:
 
     def __init__(self, rank: int, boxes):
         self.rank, self.boxes = rank, boxes
-        self.bounds: list = []  # bound_s of each control receive
+        self.closed = threading.Event()
 
     def isend_control(self, tensor, peer):
         self.boxes[(self.rank, peer)].put(tensor.clone())
         return Completed()
 
     def irecv_control(self, tensor, peer, bound_s=None):
-        self.bounds.append(bound_s)
-        box = self.boxes[(peer, self.rank)]
+        box, closed = self.boxes[(peer, self.rank)], self.closed
 
         class _Recv:
             def wait(self, timeout_s=None):
-                tensor.copy_(box.get(timeout=10))
+                while not closed.is_set():
+                    with contextlib.suppress(queue.Empty):
+                        tensor.copy_(box.get(timeout=0.05))
+                        return
+                raise TransportError("closed")
 
         return _Recv()
 
     def close(self):
-        pass
+        self.closed.set()
 
 
 def _run_members(size: int, work) -> list:
@@ -78,10 +83,13 @@ def _run_members(size: int, work) -> list:
     out: list = [None] * size
 
     def member(r):
+        group = ExpertGroup(_QueueTransport(r, boxes), r, size, 4)
         try:
-            out[r] = work(ExpertGroup(_QueueTransport(r, boxes), r, size, 4))
+            out[r] = work(group)
         except Exception as exc:  # noqa: BLE001 - compared below
             out[r] = exc
+        finally:
+            group.close()
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
     for t in threads:
@@ -92,18 +100,26 @@ def _run_members(size: int, work) -> list:
 
 
 @needs_torch
-def test_agree_waits_a_step_and_the_start_up_check_the_connect_bound():
+def test_a_silent_member_fails_the_start_up_check_within_the_connect_bound_and_a_step_within_its_own():
     """Review M8: the group's control receives waited up to 30 days (the idle bound): a
     member that hung or stuck in vLLM's MoE collective held the others for good. The
     start-up check waits the connect bound, each step's agreement the step timeout."""
-
-    def work(group):
-        group.check_peers([0])
-        group.agree(_plan(0, [1]))
-        return group.transport.bounds
-
-    for bounds in _run_members(2, work):
-        assert bounds == [11.0, 7.0], bounds
+    transport = _QueueTransport(0, {(r, s): queue.Queue() for r in (0, 1) for s in (0, 1)})
+    transport.timeout_s, transport.connect_timeout_s = 0.2, 0.5
+    group = ExpertGroup(transport, 0, 2, 4)  # FFN rank 5, its other member, never sends
+    try:
+        for run, bound in (
+            (lambda: group.check_peers([0]), 0.5),
+            (lambda: group.agree(_plan(0, [1])), 0.2),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(
+                AFDPeerError, match=f"lost a member: no vector from FFN rank 5 within {bound}s"
+            ):
+                run()
+            assert bound <= time.monotonic() - t0 < bound + 5
+    finally:
+        group.close()
 
 
 def _plan(step, rows_per_mb):
@@ -239,3 +255,34 @@ def test_ffn_ranks_of_an_expert_group_compute_every_micro_batch_together(a):
     assert first["computed"] == want
     zero = sum(1 for layer, r in want if layer == 0 for n in r if n == 0)
     assert first["zero_rows"] == second["zero_rows"] == zero > 0  # each counts the group's
+
+
+@needs_torch
+def test_a_member_without_senders_of_its_own_learns_the_group_step_and_joins_it_without_rows():
+    """Issue 36: member 0's peer sends a step that member 1's peer does not (held, dropped
+    or rejoining; `senders` names DP rank 0 only). Member 1 is woken by member 0's vector,
+    reads its senders word, and takes part with no rows: both agree on the same step."""
+    from afd_core.connectors.protocol.control import ControlMessage
+
+    boxes = {(r, s): queue.Queue() for r in (0, 1) for s in (0, 1)}
+    groups = [ExpertGroup(_QueueTransport(r, boxes), r, 2, 4) for r in (0, 1)]
+    woken = threading.Event()
+    groups[1].on_vector = woken.set
+    groups[1]._start_receiving()  # as the first agreement (the start-up check) does
+    sent = ControlMessage(0, 3, (2,), 8, "float32", senders=0b01)
+    out = {}
+    try:
+        worker = threading.Thread(
+            target=lambda: out.setdefault(0, groups[0].agree(StepPlan(3, (sent,), ((2,),), 0)))
+        )
+        worker.start()
+        assert woken.wait(10)
+        assert groups[1].pending_senders() == 0b01
+        out[1] = groups[1].agree(StepPlan(0, (), (), ControlFlag.NONE))
+        worker.join(10)
+        assert out[0] == out[1] == GroupStep(0, ((2, 0),))
+        assert (groups[0].empty_steps, groups[1].empty_steps) == (0, 1)
+        assert groups[1].pending_senders() == 0  # consumed
+    finally:
+        for g in groups:
+            g.close()

@@ -98,6 +98,7 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
         group = ExpertGroup(side, rank - first, size, first)
         group.check_peers(conn.peer_servers())
         group.watch_members(conn.stop_serving)  # as FFNRole does
+        conn.serve_group_steps(group)
         crash = marks / f"crash-ffn{rank}-{incarnation}"
 
         def compute(layer, h, logits, ids, group_rows):
@@ -113,7 +114,12 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
             print(f"{name} exits on: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             (marks / f"gone-ffn{rank}-{incarnation}").touch()
             os._exit(1)
-        out = {"steps": group.steps, "lost": conn.peers_lost}
+        out = {
+            "steps": group.steps,
+            "empty_steps": group.empty_steps,
+            "lost": conn.peers_lost,
+            "rejoined": conn.peers_rejoined,
+        }
         conn.close()
         group.close()
         q.put((name, out))
@@ -453,6 +459,76 @@ def test_an_expert_group_of_ffn_ranks_above_0_reforms_when_restarted_while_the_s
     served = _served_again(atts, tmp_path, 1)
     print(f"attention ranks 1-2 served again {served:.1f} s after the group's restart")
     assert served < GRACE_S + 10, served
+
+
+def lockstep_attention(rank, port, marks, out_of_step_at, steps, q):
+    """Attention rank `rank` of one server of two ranks (lockstep, served together),
+    stepping exactly `steps` times, as its sibling does; at step `out_of_step_at` it
+    announces a step number one too high (a control message its FFN rank cannot accept:
+    it drops this rank, whose process lives on and rejoins)."""
+    name = f"att{rank}"
+    try:
+        from afd_core.connectors.base import AFDFFNLostError
+
+        conn = make("attention", rank, 2, 2, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=0)
+        conn.init()
+        together = _served_together(marks, rank, 0, 2, conn.ffn_expert_group)
+        outcomes, slowest = [], 0.0
+        for n in range(steps):
+            if n == out_of_step_at:
+                conn._step += 1
+            began = time.monotonic()
+            try:
+                together.check(conn)
+                outcomes.append("ok" if checked_step(conn, rank, n, LAYERS) else "wrong")
+            except AFDFFNLostError:
+                outcomes.append("lost")
+            slowest = max(slowest, time.monotonic() - began)
+            time.sleep(0.02)
+        conn.close()
+        q.put((name, {"outcomes": outcomes, "slowest_s": slowest}))
+    except Exception:
+        q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def test_an_expert_group_member_whose_peer_alone_is_dropped_serves_the_group_without_it(
+    tmp_path,
+):
+    """Issue 36: 2A2F as one attention server (two ranks, lockstep) and one FFN server (an
+    expert group of two). FFN rank 1 drops attention rank 1 alone (a control message out of
+    step; the same holds for a hang or a partition of that link) while both servers run
+    on. Attention rank 0 steps on; its FFN rank waited in the group's agreement for FFN
+    rank 1, which had no peer left to step for, until timeout_s broke the group and the
+    whole FFN server stopped (checked: with the attention ranks' plain lockstep all-reduce,
+    marks/"without-served-together", FFN rank 0 exits on "lost a member: no vector from
+    FFN rank 1 within 3s"). Now the attention ranks say each step which of them send it, and FFN rank 1
+    takes part in the steps its peer does not send, with no rows: attention rank 0 never
+    fails a step, attention rank 1 rejoins and is served again, the group stays whole."""
+    port = free_port()
+    (tmp_path / "dp-port-0").write_text(str(free_port()))
+    steps = 150  # about 5 s of steps: rank 1 rejoins within them (its watch retries each 1 s)
+    targets = [
+        (group_ffn, 0, 2, 2, 0, 2, port, tmp_path, 0),
+        (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 0),
+        (lockstep_attention, 0, port, tmp_path, None, steps),
+        (lockstep_attention, 1, port, tmp_path, 10, steps),
+    ]
+    out = run_processes(targets, timeout=200)
+    assert_no_errors(out)
+    steady, dropped = out["att0"], out["att1"]
+    assert steady["outcomes"] == ["ok"] * steps, _collapse(steady["outcomes"])
+    # attention rank 1 learns of the drop at its step's bound (2 x timeout_s: gloo tells a
+    # live dropped peer nothing sooner), and rank 0 waits for it in their lockstep
+    print(f"attention 0's slowest step: {steady['slowest_s']:.2f} s")
+    assert steady["slowest_s"] < 2 * TIMEOUT_S + 3, steady
+    assert _collapse(dropped["outcomes"]) == ["ok", "lost", "ok"], dropped
+    lost = dropped["outcomes"].count("lost")
+    ffn0, ffn1 = out["ffn0-0"], out["ffn1-0"]
+    print(f"attention 1: {lost} steps lost; FFN rank 1 stepped {ffn1['empty_steps']} times "
+          "without it")  # fmt: skip
+    assert ffn0["steps"] == ffn1["steps"] == steps, out
+    assert ffn1["lost"] == ffn1["rejoined"] == [1] and ffn0["lost"] == [], out
+    assert ffn1["empty_steps"] >= lost > 0 and ffn0["empty_steps"] == 0, out
 
 
 def tp_ffn(tp_rank, port, marks, incarnation, q):

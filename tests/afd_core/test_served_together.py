@@ -69,6 +69,7 @@ class _Link:
     def __init__(self, steps):
         self.steps = steps
         self.holds: list[str] = []
+        self.step_senders = 0  # what the check sets for the step's control message
 
     def link_steps(self):
         return self.steps
@@ -93,7 +94,9 @@ def _check_all(links: list[_Link]) -> list:
 
 
 def test_every_rank_served_steps():
-    assert _check_all([_Link(0), _Link(7)]) == [None, None]
+    links = [_Link(0), _Link(7)]
+    assert _check_all(links) == [None, None]
+    assert [link.step_senders for link in links] == [0b11, 0b11]  # both send, both say so
 
 
 def test_a_rank_on_a_new_link_holds_its_step_while_a_sibling_is_not_served():
@@ -101,6 +104,16 @@ def test_a_rank_on_a_new_link_holds_its_step_while_a_sibling_is_not_served():
     got = _check_all(links)
     assert got[0] == "attention rank(s) [5] of this server are not served by their FFN ranks yet"
     assert got[1] == "this rank is not served by its FFN rank"  # fails as it would alone
+    assert [link.step_senders for link in links] == [0, 0]  # nobody sends
+
+
+def test_every_rank_computes_the_same_senders_from_the_states():
+    """Stepped ranks send; fresh ones only where no rank is away: the set each rank's
+    control message carries (its FFN rank's group serves the rest with no rows)."""
+    links = [_Link(3), _Link(None), _Link(0), _Link(9)]
+    got = _check_all(links)
+    assert got[0] is None and got[3] is None and got[1] and got[2]
+    assert [link.step_senders for link in links] == [0b1001] * 4
 
 
 def test_a_rank_that_stepped_on_its_link_steps_on_while_a_sibling_is_not_served():

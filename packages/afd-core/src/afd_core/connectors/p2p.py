@@ -108,6 +108,8 @@ class PointToPointConnector(
         self._peer_server: list[int] = [0] * len(self.peers)  # peers of one server step together
         self._inbox: ControlInbox | None = None
         self._stop_reason: str | None = None  # FFN side: stop_serving's, for the inbox
+        # FFN side, in an expert group: its pending_senders (serve_group_steps)
+        self._group_senders = None
         self._rejoin_watch: RejoinWatch | None = None
         self._peer_max_tokens: list[int | None] = [None] * len(self.peers)
         self._peer_step: list[int] = [0] * len(self.peers)  # the step each peer must send next

@@ -10,7 +10,8 @@ step together, a rank with no rows included, and each member must know how many 
 other member brings (vLLM's DP metadata).
 
 So after its control messages, each member exchanges one small vector with the others:
-its group step number, its number of micro-batches and the rows of each. The group then
+its group step number, its number of micro-batches, the rows of each, and its peers'
+`senders` word (the DP ranks of their attention server that send the step). The group then
 runs the most micro-batches any member has (a member without rows in one computes with
 zero rows); a micro-batch with no rows anywhere is skipped by all. Members that disagree on
 the step number (one skipped or repeated a step) stop with both numbers.
@@ -20,7 +21,12 @@ attention server run every forward together (vLLM's DP lockstep, dummy batches i
 two attention servers do not. `check_peers` enforces that at start-up.
 
 The vectors travel on a transport of the group's own (the control channel: a member waits
-there while its peers' forward starts).
+there while its peers' forward starts). A thread per other member keeps a receive posted
+for its next vector: a member whose own peers do not send a step (held, dropped or
+rejoining: the others' `senders` word names none of them, step/served_together.py) learns
+from it that the group steps, and takes part with no rows (`pending_senders`, which the FFN
+rank's step assembly reads); else the others would wait in the agreement until timeout_s
+broke the group.
 
 A member whose process dies stops the others at once, idle or not (`watch_members`): each
 keeps a receive posted on the group's status channel, on which no member sends, and which
@@ -31,7 +37,9 @@ at its next step, and its attention peer, held until its siblings are served aga
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,6 +87,42 @@ def agree(step: int, vectors: list[list[int]], first_ffn_rank: int) -> GroupStep
     return GroupStep(step, rows)
 
 
+# a member's word to the others each step: [group step, micro-batches, rows of each,
+# senders] (senders: its peers' control messages' word, protocol/control.py)
+VECTOR_LEN = 3 + MAX_MICROBATCHES
+
+
+class _Mailbox:
+    """What one other member sent, in order (its vectors, then maybe the error that ended
+    its receives)."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+
+    def put(self, item) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify_all()
+
+    def peek(self):
+        with self._ready:
+            return self._items[0] if self._items else None
+
+    def take(self, deadline: float):
+        """The next item (an error stays for later takes); None once `deadline` passed."""
+        with self._ready:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._ready.wait(left)
+            item = self._items[0]
+            if not isinstance(item, TransportError):
+                self._items.popleft()
+            return item
+
+
 class ExpertGroup:
     """One member (FFN rank) of an expert group of `size` FFN ranks from `first_ffn_rank`."""
 
@@ -90,25 +134,72 @@ class ExpertGroup:
         self.steps = 0  # group steps agreed
         # (member, micro-batch) pairs computed without rows of the member's own, any member
         self.zero_row_microbatches = 0
+        self.empty_steps = 0  # group steps this member took part in without peers of its own
+        # called (from a receive thread) when another member's vector came: wakes this
+        # member's serving thread, which may owe the group a step without peers of its own
+        self.on_vector: Callable[[], None] | None = None
+        self._mail: dict[int, _Mailbox] | None = None
         self._closed = False
 
     @property
     def ffn_rank(self) -> int:
         return self.first_ffn_rank + self.rank
 
-    def _all_gather(self, words: list[int], bound_s: float) -> list[list[int]]:
-        """Every member's words; a member silent for `bound_s` (hung, or stuck in vLLM's
-        MoE collective) fails the group naming it, instead of holding it for 30 days."""
+    def _start_receiving(self) -> None:
+        """One thread per other member keeps a receive posted for its next vector: a member
+        whose peers do not send a step learns from the others' vectors that the group
+        steps (`pending_senders`)."""
+        if self._mail is not None:
+            return
+        self._mail = {r: _Mailbox() for r in range(self.size) if r != self.rank}
+        for r in self._mail:
+            threading.Thread(
+                target=self._receive,
+                args=(r,),
+                name=f"afd-ffn-{self.ffn_rank}-group-{self.first_ffn_rank + r}",
+                daemon=True,
+            ).start()
+
+    def _receive(self, r: int) -> None:
         import torch
 
+        while not self._closed:
+            buf = torch.zeros(VECTOR_LEN, dtype=torch.int64)
+            try:
+                self.transport.irecv_control(buf, r).wait(CONTROL_TIMEOUT.total_seconds())
+            except TransportError as exc:
+                self._mail[r].put(exc)
+                return
+            except BaseException as exc:  # noqa: BLE001 - a receive thread must not die silently
+                self._mail[r].put(TransportError(f"group receive failed: {exc!r}"))
+                return
+            self._mail[r].put(buf.tolist())
+            if self.on_vector is not None and not self._closed:
+                self.on_vector()
+
+    def _all_gather(self, words: list[int], bound_s: float) -> list[list[int]]:
+        """Every member's words (padded to VECTOR_LEN); a member silent for `bound_s`
+        (hung, or stuck in vLLM's MoE collective) fails the group naming it, instead of
+        holding it for 30 days."""
+        import torch
+
+        self._start_receiving()
+        words = list(words) + [0] * (VECTOR_LEN - len(words))
         mine = torch.tensor(words, dtype=torch.int64)
-        theirs = {r: torch.zeros_like(mine) for r in range(self.size) if r != self.rank}
+        deadline = time.monotonic() + bound_s
+        theirs = {}
         try:
-            handles = [
-                self.transport.irecv_control(buf, r, bound_s=bound_s) for r, buf in theirs.items()
-            ]
-            handles += [self.transport.isend_control(mine, r) for r in theirs]
-            for h in handles:
+            sends = [self.transport.isend_control(mine, r) for r in self._mail]
+            for r, mailbox in self._mail.items():
+                item = mailbox.take(deadline)
+                if item is None:
+                    raise TransportError(
+                        f"no vector from FFN rank {self.first_ffn_rank + r} within {bound_s:g}s"
+                    )
+                if isinstance(item, TransportError):
+                    raise item
+                theirs[r] = item
+            for h in sends:
                 h.wait()
         except TransportError as exc:
             raise AFDPeerError(
@@ -116,7 +207,17 @@ class ExpertGroup:
                 f"{self.first_ffn_rank}..{self.first_ffn_rank + self.size - 1}) lost a "
                 f"member: {exc}"
             ) from None
-        return [words if r == self.rank else theirs[r].tolist() for r in range(self.size)]
+        return [words if r == self.rank else theirs[r] for r in range(self.size)]
+
+    def pending_senders(self) -> int:
+        """The `senders` word of the group step another member began and this one did
+        not yet; 0 if none began (or its attention server does not tell)."""
+        senders = 0
+        for mailbox in (self._mail or {}).values():
+            head = mailbox.peek()
+            if isinstance(head, list) and head[0] == self.steps:
+                senders |= head[-1]
+        return senders
 
     def check_peers(self, peer_servers: list[int]) -> None:
         """Start-up: every member's attention peers are ranks of one attention server (which
@@ -126,7 +227,7 @@ class ExpertGroup:
         vectors = self._all_gather(
             [min(peer_servers), max(peer_servers)], self.transport.connect_timeout_s
         )
-        servers = sorted({s for lo, hi in vectors for s in (lo, hi)})
+        servers = sorted({s for v in vectors for s in v[:2]})
         if len(servers) > 1:
             raise AFDPeerError(
                 f"AFD start-up failed: the FFN ranks {self.first_ffn_rank}.."
@@ -143,7 +244,14 @@ class ExpertGroup:
     def agree(self, plan: StepPlan) -> GroupStep:
         """This step's micro-batches and every member's rows in each."""
         totals = [sum(rows) for rows in plan.rows]
-        words = [self.steps, len(totals), *totals, *[0] * (MAX_MICROBATCHES - len(totals))]
+        senders = 0
+        for m in plan.live:
+            senders |= m.senders
+        if not plan.live and not plan.rows:  # its peers do not send this step: the others' word
+            senders = self.pending_senders()
+            self.empty_steps += 1
+        padding = [0] * (MAX_MICROBATCHES - len(totals))
+        words = [self.steps, len(totals), *totals, *padding, senders]
         # the members' attention peers are one server's ranks, stepping together: the
         # others' words come within a step's bound
         agreed = agree(

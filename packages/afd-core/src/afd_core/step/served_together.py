@@ -23,9 +23,13 @@ this check: where its sibling lost its FFN rank, its own FFN rank's group lost a
 and its step fails there at once (or its FFN rank already stopped, expert_group.py's
 watch), so it learns that its FFN server is gone instead of idling on a dead link.
 
-Not covered: one rank's link alone lost while its FFN server runs on (a hang or a
-partition of that link only): its siblings step on, their members wait in the agreement
-for the member without a stepping peer, and the group breaks as before.
+Every rank also computes, from the same all-reduce (each rank's state: away, served on a
+fresh link, served on a link it stepped on), which ranks send the step, and the step's
+control message carries that set (`senders`, protocol/control.py). So where one rank's
+link alone is lost while its FFN server runs on (its FFN rank dropped it: a malformed
+message, a hang, a partition of that link), its siblings step on and its FFN rank, whose
+peers are not among the senders, takes part in the expert group's step with no rows
+(expert_group.py) instead of leaving the others to wait until timeout_s breaks the group.
 
 It costs one all-reduce of `data_parallel_size` int32 per step, only on attention servers
 with data parallelism (lockstep, not async_dp) whose links fail alone, and whose FFN ranks
@@ -41,8 +45,12 @@ from afd_core.log import get_logger
 
 logger = get_logger(__name__)
 
-# every rank's flag in its own slot, summed: the vector of all ranks' flags
+# every rank's state in its own slot, summed: the vector of all ranks' states
 Gather = Callable[[int], list[int]]
+
+# a rank's state at the start of a step: no FFN rank serves it; served on a link no step
+# went on yet; served on a link it stepped on before
+AWAY, FRESH, STEPPED = 0, 1, 2
 
 
 def gather_over(group, index: int, size: int) -> Gather:
@@ -79,12 +87,15 @@ class ServedTogether:
     def check(self, connector) -> None:
         """Before a step's control message: return where every rank begins this step
         served, or where this rank stepped on its link before; else fail the step at once
-        (connector.hold_step)."""
+        (connector.hold_step). Either way the connector's next step carries which ranks
+        send it (`step_senders`: every rank computes the same from the gather)."""
         steps = connector.link_steps()
         served = steps is not None
-        flags = self._gather(int(served))
-        waiting = [r for r, f in zip(self.ranks, flags, strict=True) if not f]
-        if not waiting or (served and steps > 0):
+        states = self._gather(STEPPED if served and steps > 0 else FRESH if served else AWAY)
+        waiting = [r for r, f in zip(self.ranks, states, strict=True) if f == AWAY]
+        senders = [i for i, f in enumerate(states) if f == STEPPED or (f == FRESH and not waiting)]
+        connector.step_senders = sum(1 << i for i in senders)
+        if self.index in senders:
             if self._holding:
                 self._holding = False
                 logger.info(

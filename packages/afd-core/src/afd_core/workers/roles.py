@@ -289,6 +289,7 @@ class FFNRole(_Role):
         if self.dp_size > 1:
             self.group = self._join_expert_group()
             self.group.watch_members(self.connector.stop_serving)
+            self.connector.serve_group_steps(self.group)
         self.server = FFNStepServer(
             self.connector,
             model.ffn_layer_indices(),

@@ -75,6 +75,10 @@ class _AttentionStep:
 class AttentionSide:
     """PointToPointConnector's attention side (a mixin: the connector's state is its own)."""
 
+    # the next step's `senders` word (protocol/control.py), set by step/served_together.py
+    # just before the step begins; 0: not told
+    step_senders = 0
+
     # -- attention side ---------------------------------------------------------------------
     def _send_words(self, words: list[int]) -> Handle:
         import torch
@@ -89,6 +93,7 @@ class AttentionSide:
     def _begin_step(self, tokens: tuple[int, ...], flags: int) -> ControlMessage:
         import torch
 
+        senders, self.step_senders = self.step_senders, 0  # for this step only
         if self._fatal is not None:  # a heartbeat found the FFN rank gone, where that is fatal
             raise self._fatal
         if self._ffn_lost is not None:  # fails at once while no FFN rank serves this one
@@ -107,6 +112,7 @@ class AttentionSide:
             self.wire.hidden_size,
             self.wire.dtype,
             ControlFlag(flags),
+            senders,
         )
         words = msg.encode()  # validates before anything is sent
         self._bound_step(msg.flags)

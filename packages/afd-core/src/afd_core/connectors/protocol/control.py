@@ -4,11 +4,16 @@ It is the only thing that wakes an FFN rank, and it tells it how many rows each 
 of this attention rank carries, so the FFN side knows every tensor shape before the first
 layer arrives. An idle attention rank sends a HEARTBEAT message (no rows, no step: the FFN
 rank's listener answers it at once with a status), so each side learns within
-liveness_timeout_s that the other went silent. Wire format (version 4, VERSION): a
+liveness_timeout_s that the other went silent. Wire format (version 5, VERSION): a
 fixed-length vector of int64
 
     [MAGIC, VERSION, sender_rank, step, flags, num_microbatches, hidden_size, dtype_code,
-     tokens[0], ..., tokens[MAX_MICROBATCHES - 1]]
+     senders, tokens[0], ..., tokens[MAX_MICROBATCHES - 1]]
+
+`senders`: which data-parallel ranks of the sender's attention server send this step (bit
+i: DP index i), where the server agrees on it each step (step/served_together.py); 0 where
+it does not. An FFN rank of an expert group whose own peers are not among them takes part
+in the group's step with no rows (step/expert_group.py).
 
 Fixed length means one receive of known size; a malformed or mismatched message is a clear
 error naming the sender and the field, never a hang or a wrong shape. No torch here: the
@@ -25,9 +30,10 @@ from afd_core.capabilities import MAX_MICROBATCHES  # a message holds this many 
 MAGIC = 0x41464443  # "AFDC"
 # 2: step numbers are checked, DUMMY/PROFILE flags, a status message ends each step;
 # 3: the STARTUP flag (start-up steps are bounded by startup_timeout_s on both sides);
-# 4: HEARTBEAT messages between steps (liveness_timeout_s)
-VERSION = 4
-HEADER_LEN = 8
+# 4: HEARTBEAT messages between steps (liveness_timeout_s);
+# 5: the senders word (an attention server's DP ranks that send the step)
+VERSION = 5
+HEADER_LEN = 9
 MESSAGE_LEN = HEADER_LEN + MAX_MICROBATCHES
 
 # dtype names as torch spells them; codes are part of the wire format
@@ -70,6 +76,7 @@ class ControlMessage:
     hidden_size: int
     dtype: str
     flags: ControlFlag = ControlFlag.NONE
+    senders: int = 0  # bit i: DP index i of the sender's server sends this step; 0: not told
 
     @property
     def num_microbatches(self) -> int:
@@ -95,6 +102,8 @@ class ControlMessage:
                 f"control message: dtype {self.dtype!r} cannot be sent; allowed: "
                 + ", ".join(DTYPE_CODES)
             )
+        if not 0 <= self.senders < 1 << 62:
+            raise ControlError(f"control message: senders={self.senders}; allowed 0..2**62-1")
         padded = list(self.tokens) + [0] * (MAX_MICROBATCHES - len(self.tokens))
         return [
             MAGIC,
@@ -105,6 +114,7 @@ class ControlMessage:
             len(self.tokens),
             self.hidden_size,
             DTYPE_CODES[self.dtype],
+            self.senders,
             *padded,
         ]
 
@@ -139,7 +149,7 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
     who = f"control message from attention rank {expect.sender_rank}"
     if len(words) != MESSAGE_LEN:
         raise ControlError(f"{who}: {len(words)} words, expected {MESSAGE_LEN}")
-    magic, version, sender, step, flags, n_mb, hidden, dtype_code = words[:HEADER_LEN]
+    magic, version, sender, step, flags, n_mb, hidden, dtype_code, senders = words[:HEADER_LEN]
     if magic != MAGIC:
         raise ControlError(
             f"{who}: bad magic {magic:#x} (expected {MAGIC:#x}); is another program using "
@@ -159,6 +169,8 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
     if flags & ~KNOWN_FLAGS or flags < 0:
         raise ControlError(f"{who}: unknown flags {flags:#x}")
     flag = ControlFlag(flags)
+    if senders < 0:
+        raise ControlError(f"{who}: senders={senders}; allowed a non-negative bit mask")
     if flag & NO_ROWS:
         if n_mb or any(words[HEADER_LEN:]):
             raise ControlError(f"{who}: a {flag!r} message carries rows ({n_mb} micro-batches)")
@@ -185,4 +197,4 @@ def decode(words: list[int], expect: Expectation) -> ControlMessage:
         )
     if any(words[HEADER_LEN + n_mb :]):
         raise ControlError(f"{who}: non-zero padding after {n_mb} micro-batches")
-    return ControlMessage(sender, step, tokens, hidden, expect.dtype, flag)
+    return ControlMessage(sender, step, tokens, hidden, expect.dtype, flag, senders)

@@ -7,6 +7,10 @@ served alone; goodbyes alone are no step. Where the transport's links fail alone
 whose control channel fails, whose message is malformed or out of step, or that comes
 later than its server's other ranks by the step timeout is dropped, and the others are
 served on; elsewhere any of these stops the FFN rank.
+
+A member of an expert group also serves the group's steps that none of its active peers
+send (their attention server's `senders` word, step/served_together.py), with no rows:
+its peer may be held, lost or rejoining while its siblings step on.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from afd_core.connectors.protocol.control import (
     Expectation,
     decode,
 )
-from afd_core.connectors.protocol.inbox import ControlInbox, RejoinReady, StopServing
+from afd_core.connectors.protocol.inbox import (
+    ControlInbox,
+    GroupStepBegun,
+    RejoinReady,
+    StopServing,
+)
 from afd_core.connectors.protocol.order import FFNOrder
 from afd_core.connectors.protocol.status import StepStatus
 from afd_core.connectors.transports.transport import TransportError
@@ -61,6 +70,9 @@ class FFNStepAssembly:
             if self._stop_reason is not None:  # stop_serving came before the first step
                 self._inbox.put(0, StopServing(self._stop_reason))
         while True:
+            if self._owes_group_step():
+                arrived = {}  # the expert group's step, with no rows of this rank's peers
+                break
             arrived = self._gather_control()
             # only goodbyes (or a departed peer's last socket error): no step to serve
             if any(not m.is_shutdown for m in arrived.values()) or self.all_peers_left:
@@ -129,6 +141,28 @@ class FFNStepAssembly:
                 return arrived
             self._take_control(item, arrived)
 
+    def serve_group_steps(self, group) -> None:
+        """This FFN rank is a member of `group` (step/expert_group.py): it takes part in
+        every group step whose senders (the control messages' word) include none of its
+        active peers, with no rows: a member whose peer is held, lost, or rejoining does
+        not stop the others' steps."""
+        self._group_senders = group.pending_senders
+        group.on_vector = self._wake_for_group_step
+
+    def _wake_for_group_step(self) -> None:
+        if self._inbox is not None:
+            self._inbox.put(0, GroupStepBegun())
+
+    def _owes_group_step(self) -> bool:
+        """Another member began a group step that none of this rank's active peers send."""
+        senders = self._group_senders() if self._group_senders is not None else 0
+        if not senders:
+            return False
+        return not any(
+            self._active_peers[j] and senders >> (peer - self._peer_server[j]) & 1
+            for j, peer in enumerate(self.peers)
+        )
+
     def stop_serving(self, reason: str) -> None:
         """Any thread: this FFN rank stops, raising AFDPeerError(reason) where its serving
         thread next waits for a step (at once when idle; a step in flight ends first)."""
@@ -141,6 +175,8 @@ class FFNStepAssembly:
         next step: a capture is served alone (its peers record their operations, nothing
         moves), never in the same step as another server's real one."""
         i, payload = item
+        if isinstance(payload, GroupStepBegun):
+            return  # recv_control looks whether this rank owes the group the step
         if isinstance(payload, RejoinReady):
             self._admit(i, payload)
             return

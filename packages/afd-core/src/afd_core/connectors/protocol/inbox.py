@@ -49,6 +49,12 @@ class StopServing:
     reason: str
 
 
+@dataclass(frozen=True)
+class GroupStepBegun:
+    """For the FFN serving thread: another member of its expert group began a step
+    (step/expert_group.py); it may owe the group that step without peers of its own."""
+
+
 class ControlInbox:
     CLOSED = (-1, None)  # what `get` returns once the inbox is closed
 
