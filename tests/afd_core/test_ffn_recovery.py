@@ -517,10 +517,11 @@ def test_an_expert_group_member_whose_peer_alone_is_dropped_serves_the_group_wit
     assert_no_errors(out)
     steady, dropped = out["att0"], out["att1"]
     assert steady["outcomes"] == ["ok"] * steps, _collapse(steady["outcomes"])
-    # attention rank 1 learns of the drop at its step's bound (2 x timeout_s: gloo tells a
-    # live dropped peer nothing sooner), and rank 0 waits for it in their lockstep
+    # attention rank 1 learns of the drop at once (its link closed under its wait), and
+    # rank 0, which waits for it in their lockstep, with it: 0.17 s here; 6.5 s (rank 1's
+    # step bound, 2 x timeout_s) while the drop left the gloo pairs open
     print(f"attention 0's slowest step: {steady['slowest_s']:.2f} s")
-    assert steady["slowest_s"] < 2 * TIMEOUT_S + 3, steady
+    assert steady["slowest_s"] < TIMEOUT_S, steady
     assert _collapse(dropped["outcomes"]) == ["ok", "lost", "ok"], dropped
     lost = dropped["outcomes"].count("lost")
     ffn0, ffn1 = out["ffn0-0"], out["ffn1-0"]

@@ -279,7 +279,7 @@ def test_an_idle_expert_group_member_stops_at_once_when_another_members_process_
     got = out["ffn0"]
     assert isinstance(got, dict), got
     assert got["error"].startswith(
-        "FFN rank 0: its expert group (FFN ranks 0..1) lost FFN rank 1: status receive: "
+        "FFN rank 0: its expert group (FFN ranks 0..1) lost FFN rank 1: control receive: "
     ), got
     print(f"the idle member stopped {got['after_s']:.2f} s after the other died")
     assert got["after_s"] < 5, got

@@ -28,11 +28,11 @@ from it that the group steps, and takes part with no rows (`pending_senders`, wh
 rank's step assembly reads); else the others would wait in the agreement until timeout_s
 broke the group.
 
-A member whose process dies stops the others at once, idle or not (`watch_members`): each
-keeps a receive posted on the group's status channel, on which no member sends, and which
-fails when a member's connection closes. An idle member would otherwise learn of it only
-at its next step, and its attention peer, held until its siblings are served again
-(served_together.py), would send none.
+A member whose process dies stops the others at once, idle or not (`watch_members`): the
+receive each keeps posted for another member's next vector fails when that member's
+connection closes. An idle member would otherwise learn of it only at its next step, and
+its attention peer, held until its siblings are served again (served_together.py), would
+send none.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class ExpertGroup:
         # called (from a receive thread) when another member's vector came: wakes this
         # member's serving thread, which may owe the group a step without peers of its own
         self.on_vector: Callable[[], None] | None = None
+        self._on_lost: Callable[[str], None] | None = None  # watch_members'
         self._mail: dict[int, _Mailbox] | None = None
         self._closed = False
 
@@ -167,11 +168,16 @@ class ExpertGroup:
             buf = torch.zeros(VECTOR_LEN, dtype=torch.int64)
             try:
                 self.transport.irecv_control(buf, r).wait(CONTROL_TIMEOUT.total_seconds())
-            except TransportError as exc:
-                self._mail[r].put(exc)
-                return
             except BaseException as exc:  # noqa: BLE001 - a receive thread must not die silently
-                self._mail[r].put(TransportError(f"group receive failed: {exc!r}"))
+                if not isinstance(exc, TransportError):
+                    exc = TransportError(f"group receive failed: {exc!r}")
+                self._mail[r].put(exc)
+                if self._on_lost is not None and not self._closed:
+                    self._on_lost(
+                        f"FFN rank {self.ffn_rank}: its expert group ({self.members}) lost FFN "
+                        f"rank {self.first_ffn_rank + r}: {exc}; the group cannot step without "
+                        "it, so this FFN rank stops (restart the FFN server)"
+                    )
                 return
             self._mail[r].put(buf.tolist())
             if self.on_vector is not None and not self._closed:
@@ -268,34 +274,11 @@ class ExpertGroup:
         return f"FFN ranks {self.first_ffn_rank}..{self.first_ffn_rank + self.size - 1}"
 
     def watch_members(self, on_lost: Callable[[str], None]) -> None:
-        """Call on_lost(reason) from a thread of its own once another member's connection
-        closes (its process died or left), while this member serves or idles."""
-        for r in range(self.size):
-            if r != self.rank:
-                threading.Thread(
-                    target=self._watch,
-                    args=(r, on_lost),
-                    name=f"afd-ffn-{self.ffn_rank}-group-watch-{self.first_ffn_rank + r}",
-                    daemon=True,
-                ).start()
-
-    def _watch(self, r: int, on_lost: Callable[[str], None]) -> None:
-        import torch
-
-        buf = torch.zeros(1, dtype=torch.uint8)
-        try:
-            # nothing is ever sent on this channel: the receive ends with the connection
-            self.transport.irecv_status(buf, r).wait(CONTROL_TIMEOUT.total_seconds())
-        except TransportError as exc:
-            if not self._closed:
-                on_lost(
-                    f"FFN rank {self.ffn_rank}: its expert group ({self.members}) lost FFN "
-                    f"rank {self.first_ffn_rank + r}: {exc}; the group cannot step without "
-                    "it, so this FFN rank stops (restart the FFN server)"
-                )
-            return
-        except Exception:  # noqa: BLE001 - a watch must not die silently
-            logger.exception("AFD FFN rank %d: group watch failed", self.ffn_rank)
+        """Call on_lost(reason) from a receive thread once another member's connection
+        closes (its process died or left), while this member serves or idles: the threads
+        that keep a receive posted for the members' vectors see it first."""
+        self._on_lost = on_lost
+        self._start_receiving()
 
     def close(self) -> None:
         self._closed = True

@@ -77,10 +77,19 @@ class GlooTransport(MemberLinks, StoreTransport):
     def _abort_link(self, link: Link) -> None:
         abort_groups(link.ctrl, link.data)
 
+    def drop_member(self, member: int) -> None:
+        """The connector dropped a member that may be alive (a malformed or out-of-step
+        message, a late step): its link is aborted and let go, so its pairs close and the
+        member's waits fail at once (an abort alone leaves the pairs open, and it would
+        wait out its step bound); it rejoins on a fresh link."""
+        link = self._links.pop(member, None) if self.per_member_links else None
+        if link is not None:
+            self._abort_link(link)
+
     def _data_of(self, peer: int) -> tuple:
         if not self.per_member_links:
             return self._data, peer
-        link = self._links[peer]
+        link = self._member_link(peer)
         return link.data, link.remote
 
     def _connect_data(self, prefix: str) -> None:

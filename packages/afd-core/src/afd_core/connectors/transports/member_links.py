@@ -115,8 +115,14 @@ class MemberLinks:
     def _ctrl_of(self, peer: int) -> tuple:
         if not self.per_member_links:
             return super()._ctrl_of(peer)
-        link = self._links[peer]
+        link = self._member_link(peer)
         return link.ctrl, link.remote
+
+    def _member_link(self, peer: int):
+        link = self._links.get(peer)
+        if link is None:  # dropped (drop_member): its restart brings a fresh one
+            raise TransportError(f"the link with group rank {peer} was dropped")
+        return link
 
     def _close_links(self) -> None:
         for link in self._links.values():
