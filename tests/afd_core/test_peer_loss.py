@@ -208,6 +208,27 @@ def stalled_rejoin(port, marks, q):
         (marks / "junk-done").touch()
 
 
+def dying_rejoin(port, marks, q):
+    """Once server 1 left: its restart, killed in the middle of its rejoin (admitted, and
+    about to connect its link; a crash loop, an impatient supervisor). Reports nothing."""
+    try:
+        from afd_core.connectors.transports.member_links import MemberLinks
+
+        wait_for(marks / "first-gone", WAIT_S)
+
+        def die(self, incarnation):
+            (marks / "junk-done").touch()
+            os._exit(9)
+
+        MemberLinks.join_link = die
+        make("attention", 1, 2, 1, port, layers=LAYERS, start_rank=1).init()
+        q.put(("junk", "ERROR rejoined"))
+    except Exception:
+        q.put(("junk", "ERROR " + traceback.format_exc()))
+    finally:
+        (marks / "junk-done").touch()
+
+
 def _run(tmp_path, die_at, misfit_first=False, junk_first=False):
     port = free_port()
     targets = [
@@ -218,10 +239,12 @@ def _run(tmp_path, die_at, misfit_first=False, junk_first=False):
     ]
     if junk_first == "stalled":
         targets.append((stalled_rejoin, port, tmp_path))
+    elif junk_first == "dies":
+        targets.append((dying_rejoin, port, tmp_path))
     elif junk_first:
         targets.append((junk_rejoin, port, tmp_path))
     # a crashed or stopped first process reports nothing
-    expect = (4 if die_at[0] == "leave" else 3) + bool(junk_first)
+    expect = (4 if die_at[0] == "leave" else 3) + (bool(junk_first) and junk_first != "dies")
     out = run_processes(targets, timeout=120, expect=expect)
     assert_no_errors(out)
     return out
@@ -338,3 +361,22 @@ def test_a_restart_that_dies_during_its_rejoin_costs_the_other_server_nothing(tm
     assert out[0]["wrong"] == 0 and out[0]["slowest"] < 10.0, out[0]
     assert out["again"]["outcome"] == [True] * STEPS
     assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+    # the real restart's link is prepared beside the stalled one's: it used to wait for
+    # that one's connect bound (30 s here; 28 s measured)
+    print(f"the real restart rejoined in {out['again']['rejoin_s']:.2f} s")
+    assert out["again"]["rejoin_s"] < 10.0, out["again"]
+
+
+def test_a_restart_killed_during_its_rejoin_leaves_its_next_restart_free_to_rejoin(tmp_path):
+    """Issue 36: server 1's restart is killed in the middle of its rejoin (its verdict
+    read, its link not connected), and the next restart rejoins at once: the dead process
+    holds no claim on the place (it used to take the claim itself and hold it for good: the
+    next restart waited the connect bound and failed "still held by a running server";
+    found by tests/e2e/test_nemesis_vllm.py), and its half-made link waits out its connect
+    bound on a thread of its own."""
+    out = _run(tmp_path, ("leave", 3), misfit_first="after-junk", junk_first="dies")
+    assert out[0]["wrong"] == 0 and out[0]["slowest"] < 10.0, out[0]
+    assert out["again"]["outcome"] == [True] * STEPS
+    assert out["ffn"] == {"lost": [], "rejoined": [1], "failed_steps": 0, "afd/failed": None}
+    print(f"the next restart rejoined in {out['again']['rejoin_s']:.2f} s")
+    assert out["again"]["rejoin_s"] < 10.0, out["again"]

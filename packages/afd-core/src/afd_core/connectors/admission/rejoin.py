@@ -1,17 +1,22 @@
 """A restarted attention server rejoins a running deployment.
 
 Once every rank connected (`membership.FORMED_KEY`), a rank that opens the store was
-restarted. An attention rank then claims its place again: the claim is free once its FFN
-rank dropped the previous process (lost, or gone with a goodbye), and is waited for up to
-the connect timeout. It checks the deployment's shape, leaves a hello and a request in the
-store, and waits for its FFN rank's verdict. The FFN rank's rejoin thread (`RejoinWatch`)
-does the slow part: it reads the hello, checks it as at start-up, writes the verdict and
-connects the peer's fresh link (transports/gloo.py: up to the connect bound, while the restarted
-process connects its side). Then it passes the connected link to the serving thread with
-the peers' control messages, which swaps it in between two steps and starts the peer's
-listener; its steps count from 0 again. So a restarted process that dies during its rejoin
-costs the other peers nothing (review M5: the serving thread used to wait for its
-connect). On a device transport the link's first operations go on the streams the
+restarted. An attention rank then waits until its place is free: its claim is released
+once its FFN rank dropped the previous process (lost, or gone with a goodbye), waited for
+up to the connect timeout. It checks the deployment's shape, leaves a hello and a request
+in the store, and waits for its FFN rank's verdict. The FFN rank's rejoin thread
+(`RejoinWatch`) reads each request and prepares it on a thread of its own: it reads the
+hello, checks it as at start-up, writes the verdict and connects the peer's fresh link
+(transports/gloo.py: up to the connect bound, while the restarted process connects its
+side). Then it passes the connected link to the serving thread with the peers' control
+messages, which swaps it in between two steps, claims the place for the new process and
+starts the peer's listener; its steps count from 0 again. So a restarted process that dies
+during its rejoin costs the other peers nothing (review M5: the serving thread used to wait
+for its connect), and costs its own next restart nothing either: that one's link is
+prepared beside the dead one's, which waits out its connect bound alone; and the place is
+claimed only by the FFN rank, for a process it admitted, so a process killed while it
+rejoins leaves no claim behind (a claim taken by the restarted process itself stayed held
+for good). On a device transport the link's first operations go on the streams the
 serving thread launches on, so there the serving thread connects it, between two steps. A failed rejoin fails the restarted rank only: nothing is
 written to `afd/failed` after the deployment formed.
 
@@ -67,9 +72,10 @@ class Rejoining:
         if problem := self._shape_problem(transport, max(deadline - time.monotonic(), 1.0)):
             raise AFDPeerError(problem)
         self._take_epoch(transport, self._store_epoch(transport))
+        # the FFN rank releases the place of a process it dropped, and claims it for the one
+        # it admits (`_admit`)
         claim = claim_key("attention", self.role_rank)
-        while transport.store_add(claim, 1) > 1:
-            transport.store_add(claim, -1)
+        while transport.store_add(claim, 0) > 0:
             if moved := self._epoch_moved(transport):
                 raise moved
             if time.monotonic() > deadline:
@@ -80,20 +86,16 @@ class Rejoining:
                     "--data-parallel-size)"
                 )
             time.sleep(0.2)
-        try:  # a rejoin that fails frees the claim for the next try
-            verdict = self._ask_to_rejoin(transport, deadline)
-            if verdict is None and (moved := self._epoch_moved(transport)):
-                raise moved
-            if verdict is None or verdict[1] != "ok":
-                why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
-                raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
-            try:
-                transport.join_link(verdict[0])
-            except TransportError as exc:
-                raise AFDPeerError(f"AFD rejoin failed for {me}: {exc}") from None
-        except Exception:
-            transport.store_add(claim, -1)
-            raise
+        verdict = self._ask_to_rejoin(transport, deadline)
+        if verdict is None and (moved := self._epoch_moved(transport)):
+            raise moved
+        if verdict is None or verdict[1] != "ok":
+            why = verdict[1] if verdict else f"{self._peer_name(0)} did not answer in time"
+            raise AFDPeerError(f"AFD rejoin failed for {me}: {why}")
+        try:
+            transport.join_link(verdict[0])
+        except TransportError as exc:
+            raise AFDPeerError(f"AFD rejoin failed for {me}: {exc}") from None
         self._transport = transport
         logger.info("AFD %s rejoined the running deployment: group %d", me, self.group)
 
@@ -158,8 +160,18 @@ class Rejoining:
     def _admit(self, i: int, ready: RejoinReady) -> None:
         """Serving thread, between two steps: peer i's restarted process takes its place."""
         t, member, peer = self._transport, i + 1, self.peers[i]
-        if self._active_peers[i]:  # lost and back within one step: cannot happen
-            logger.warning("AFD %s: attention rank %d rejoined twice", self._me(), peer)
+        if self._active_peers[i]:
+            # two processes of one rank rejoined at once (both prepared while it was away):
+            # the first admitted keeps the place; this one's steps find no answer
+            logger.warning(
+                "AFD %s: attention rank %d rejoined twice; its later process (incarnation "
+                "%d) is not admitted",
+                self._me(),
+                peer,
+                ready.incarnation,
+            )
+            if ready.link is not None:
+                t.discard_link(ready.link)
             return
         try:
             if ready.link is not None:
@@ -170,6 +182,7 @@ class Rejoining:
             logger.warning("AFD %s: attention rank %d did not rejoin: %s", self._me(), peer, exc)
             return
         self._take_hello(i, ready.hello)
+        self._claim(i)
         self._peer_step[i] = 0
         self._peer_left[i] = False
         self._active_peers[i] = True
@@ -179,6 +192,13 @@ class Rejoining:
         self.metrics.add("peers_rejoined")
         self.metrics.publish(now=True)
         logger.info("AFD %s: attention rank %d rejoined", self._me(), peer)
+
+    def _claim(self, i: int) -> None:
+        """Peer i's admitted process holds its place (released when it is dropped)."""
+        try:
+            self._transport.store_add(claim_key("attention", self.peers[i]), 1)
+        except Exception:  # noqa: BLE001 - the store may be gone: nobody can rejoin then
+            logger.debug("AFD %s: claim of peer %d not taken", self._me(), i)
 
     def _release_claim(self, i: int) -> None:
         """Peer i left or was lost: its place is free for its restarted process."""
@@ -207,6 +227,7 @@ class RejoinWatch:
     def __init__(self, connector, inbox, name: str):
         self._connector = connector
         self._inbox = inbox
+        self._name = name
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"{name}-rejoin", daemon=True)
 
@@ -253,14 +274,30 @@ class RejoinWatch:
                 except (TransportError, ValueError, KeyError, TypeError):
                     continue  # its process went before it wrote the request
                 if not 1 <= member <= num_peers:
+                    t.store_delete(f"{g}/rejoin/{number}")
                     continue
-                try:
-                    ready = c._prepare_rejoin(member - 1, RejoinRequest(incarnation))
-                except Exception:  # noqa: BLE001 - one bad request must not stop the watch
-                    logger.exception("AFD %s: rejoin request %d failed", c._me(), number)
-                    continue
-                finally:
-                    t.store_delete(f"{g}/rejoin/{number}")  # read and answered
-                if ready is not None:
-                    self._inbox.put(member - 1, ready)
+                # each on its own thread: a request whose process died holds its thread for
+                # the link's connect bound, not the requests after it
+                threading.Thread(
+                    target=self._prepare,
+                    args=(number, member, incarnation),
+                    name=f"{self._name}-rejoin-{member}.{incarnation}",
+                    daemon=True,
+                ).start()
         return None
+
+    def _prepare(self, number: int, member: int, incarnation: int) -> None:
+        c = self._connector
+        try:
+            ready = c._prepare_rejoin(member - 1, RejoinRequest(incarnation))
+        except Exception:  # noqa: BLE001 - one bad request must not stop the others
+            logger.exception("AFD %s: rejoin request %d failed", c._me(), number)
+            return
+        finally:
+            c._transport.store_delete(f"{c._group_prefix()}/rejoin/{number}")  # answered
+        if ready is not None:
+            if self._stop.is_set():
+                if ready.link is not None:
+                    c._transport.discard_link(ready.link)
+                return
+            self._inbox.put(member - 1, ready)

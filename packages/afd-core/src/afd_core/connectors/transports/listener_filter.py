@@ -24,7 +24,6 @@ the same moment, the group works unfiltered and says so in the log).
 from __future__ import annotations
 
 import ctypes
-import datetime
 import ipaddress
 import json
 import os
@@ -186,21 +185,23 @@ def exchange_sources(
     `members` connect from; each member calls it with its group `rank` (with no listener,
     a member still publishes, so the others do not wait for it)."""
     from afd_core.connectors.transports.channel_address import routed_address
+    from afd_core.connectors.transports.store_keys import wait_for_keys
 
     others = [m for m in members if m != rank]
-    timeout = datetime.timedelta(seconds=timeout_s)
 
     def gather(kind: str, mine: str) -> dict[int, str]:
         store.set(f"guard/{kind}/{rank}", mine)
         keys = [f"guard/{kind}/{m}" for m in others]
-        try:
-            store.wait(keys, timeout)
-            return {m: store.get(key).decode() for m, key in zip(others, keys, strict=True)}
-        except Exception as exc:  # noqa: BLE001 - the store's own timeout/connection error
-            raise TransportError(
-                f"group rank(s) {others} did not say where they connect from within "
-                f"{timeout_s:.0f}s ({str(exc).splitlines()[0][:200] if str(exc) else exc!r})"
-            ) from None
+        try:  # polled: a blocking wait holds the process's other store operations
+            if wait_for_keys(store, keys, timeout_s):
+                return {m: store.get(key).decode() for m, key in zip(others, keys, strict=True)}
+            failure = "not written"
+        except Exception as exc:  # noqa: BLE001 - the store's connection error
+            failure = str(exc).splitlines()[0][:200] if str(exc) else repr(exc)
+        raise TransportError(
+            f"group rank(s) {others} did not say where they connect from within "
+            f"{timeout_s:.0f}s ({failure})"
+        )
 
     def routed_from(address: str) -> str:
         try:

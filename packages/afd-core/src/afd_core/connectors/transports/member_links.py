@@ -98,6 +98,11 @@ class MemberLinks:
         if old is not None and old is not link:
             self._abort_link(old)
 
+    def discard_link(self, link) -> None:
+        """FFN rank: a prepared link that is not installed (its member was admitted on
+        another one) is stopped, its pairs closed."""
+        self._abort_link(link)
+
     def relink(self, member: int, incarnation: int) -> None:
         """FFN rank: a restarted member's fresh link replaces its failed one, connected
         here (the member is connecting its side now)."""

@@ -509,11 +509,17 @@ class StoreTransport(Transport):
         self._store.set(key, value)
 
     def store_get(self, key: str, timeout_s: float) -> bytes:
-        self._store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        """The key's value once written, polled (store_keys.py: a blocking get would hold
+        the process's other store operations behind it); TransportError after timeout_s."""
+        from afd_core.connectors.transports.store_keys import wait_for_keys
+
         try:
-            return self._store.get(key)
-        except Exception as exc:
-            raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {exc}") from None
+            if wait_for_keys(self._store, [key], timeout_s):
+                return self._store.get(key)
+            failure = "not written"
+        except Exception as exc:  # noqa: BLE001 - the store's connection error
+            failure = str(exc).splitlines()[0][:200] if str(exc) else repr(exc)
+        raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {failure}")
 
     def store_add(self, key: str, amount: int) -> int:
         return int(self._store.add(key, amount))
