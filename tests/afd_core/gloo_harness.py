@@ -19,9 +19,10 @@ HIDDEN = 8
 LAYERS = 3
 
 
-def checked_step(conn, rank: int, step: int, layers: int = LAYERS) -> bool:
+def checked_step(conn, rank: int, step: int, layers: int = LAYERS, after_first_layer=None) -> bool:
     """One attention step of 2 + rank rows through an FFN rank computing h * 2 + layer;
-    True if the FFN output is right."""
+    True if the FFN output is right. `after_first_layer()`: called once the first layer's
+    exchange is done (a fault in the middle of a step)."""
     import torch
 
     conn.begin_step((2 + rank,))
@@ -30,6 +31,8 @@ def checked_step(conn, rank: int, step: int, layers: int = LAYERS) -> bool:
     for layer in range(layers):
         h = conn.start_exchange(h, layer, 0).wait()
         want = want * 2 + layer
+        if layer == 0 and after_first_layer is not None:
+            after_first_layer()
     conn.end_step()
     return torch.equal(h, want)
 

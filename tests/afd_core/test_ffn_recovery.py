@@ -12,6 +12,7 @@ review M6), real processes over gloo:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -100,11 +101,17 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
         group.watch_members(conn.stop_serving)  # as FFNRole does
         conn.serve_group_steps(group)
         crash = marks / f"crash-ffn{rank}-{incarnation}"
+        moe = None
+        if (marks / "moe-collective").exists():
+            moe = conn.make_side_transport(f"moe{first}", rank - first, size, 2.0)
+            moe.connect()
 
         def compute(layer, h, logits, ids, group_rows):
             if layer == 1 and crash.exists():
                 (marks / f"gone-ffn{rank}-{incarnation}").touch()
                 os._exit(9)  # a crash: links and group channels gone
+            if moe is not None:
+                _moe_collective(moe, rank - first, size, h.shape[0])
             return h * 2 + layer
 
         try:
@@ -125,6 +132,21 @@ def group_ffn(rank, a, f, first, size, port, marks, incarnation, q):
         q.put((name, out))
     except Exception:
         q.put((name, "ERROR " + traceback.format_exc()))
+
+
+def _moe_collective(moe, me: int, size: int, rows: int) -> None:
+    """A stand-in for vLLM's MoE collectives on the FFN side (its DP group's all-gather of
+    the rows): every member exchanges its row count with every other and waits for theirs,
+    up to WAIT_S (vLLM's gloo group waits 30 minutes)."""
+    import torch
+
+    mine = torch.tensor([rows], dtype=torch.int64)
+    others = [r for r in range(size) if r != me]
+    sends = [moe.isend(mine, r, 0) for r in others]
+    for r in others:
+        moe.irecv(torch.zeros(1, dtype=torch.int64), r, 0).wait(WAIT_S)
+    for h in sends:
+        h.wait(WAIT_S)
 
 
 def attention(rank, a, f, port, marks, plan, incarnation, q, start_rank=None, server_size=1):
@@ -465,28 +487,43 @@ def lockstep_attention(rank, port, marks, out_of_step_at, steps, q):
     """Attention rank `rank` of one server of two ranks (lockstep, served together),
     stepping exactly `steps` times, as its sibling does; at step `out_of_step_at` it
     announces a step number one too high (a control message its FFN rank cannot accept:
-    it drops this rank, whose process lives on and rejoins)."""
+    it drops this rank, whose process lives on and rejoins). Where marks/"hang-att<rank>"
+    holds a step number, it stops itself (SIGSTOP) in that step after its first layer's
+    exchange, its pid in marks/"hung-att<rank>" for the test to continue it."""
     name = f"att{rank}"
     try:
+        import signal
+
         from afd_core.connectors.base import AFDFFNLostError
 
         conn = make("attention", rank, 2, 2, port, layers=LAYERS, timeout=TIMEOUT_S, start_rank=0)
         conn.init()
         together = _served_together(marks, rank, 0, 2, conn.ffn_expert_group)
-        outcomes, slowest = [], 0.0
+        hang = marks / f"hang-att{rank}"
+        hang_at = int(hang.read_text()) if hang.exists() else None
+
+        def hang_mid_step():
+            (marks / f"hung-att{rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return True
+
+        outcomes, slowest, errors = [], 0.0, []
         for n in range(steps):
             if n == out_of_step_at:
                 conn._step += 1
             began = time.monotonic()
             try:
                 together.check(conn)
-                outcomes.append("ok" if checked_step(conn, rank, n, LAYERS) else "wrong")
-            except AFDFFNLostError:
+                after = hang_mid_step if n == hang_at else None
+                right = checked_step(conn, rank, n, LAYERS, after_first_layer=after)
+                outcomes.append("ok" if right else "wrong")
+            except AFDFFNLostError as exc:
                 outcomes.append("lost")
+                errors.append(str(exc))
             slowest = max(slowest, time.monotonic() - began)
             time.sleep(0.02)
         conn.close()
-        q.put((name, {"outcomes": outcomes, "slowest_s": slowest}))
+        q.put((name, {"outcomes": outcomes, "slowest_s": slowest, "first_error": errors[:1]}))
     except Exception:
         q.put((name, "ERROR " + traceback.format_exc()))
 
@@ -523,6 +560,10 @@ def test_an_expert_group_member_whose_peer_alone_is_dropped_serves_the_group_wit
     print(f"attention 0's slowest step: {steady['slowest_s']:.2f} s")
     assert steady["slowest_s"] < TIMEOUT_S, steady
     assert _collapse(dropped["outcomes"]) == ["ok", "lost", "ok"], dropped
+    # it is told why (a DROPPED status before its link closes), not "the peer closed the
+    # connection"
+    (error,) = dropped["first_error"]
+    assert "dropped this rank" in error and "announced step 11, but step 10" in error, error
     lost = dropped["outcomes"].count("lost")
     ffn0, ffn1 = out["ffn0-0"], out["ffn1-0"]
     print(f"attention 1: {lost} steps lost; FFN rank 1 stepped {ffn1['empty_steps']} times "
@@ -530,6 +571,63 @@ def test_an_expert_group_member_whose_peer_alone_is_dropped_serves_the_group_wit
     assert ffn0["steps"] == ffn1["steps"] == steps, out
     assert ffn1["lost"] == ffn1["rejoined"] == [1] and ffn0["lost"] == [], out
     assert ffn1["empty_steps"] >= lost > 0 and ffn0["empty_steps"] == 0, out
+
+
+HANG_S = 8.0  # how long attention rank 1 stays stopped in the middle of its step
+
+
+def test_an_expert_group_member_whose_peer_hangs_mid_step_finishes_the_step_without_it(
+    tmp_path,
+):
+    """Issue 36: the shape above, with vLLM's MoE collectives among the FFN ranks (a
+    stand-in: every member waits for the others in each (layer, micro-batch)). Attention
+    rank 1 stops (SIGSTOP) in the middle of a step, after its first layer: FFN rank 1
+    waits timeout_s for its next rows, drops it, and computes the rest of the step with
+    the group with no rows of its own, so FFN rank 0, waiting for it in the collective, and
+    attention rank 0 are served. Rank 0 then waits for its stopped sibling in their
+    lockstep (vLLM's DP all-reduce); continued, rank 1 finds its link dropped, and
+    rejoins. The FFN server never stops."""
+    port = free_port()
+    (tmp_path / "dp-port-0").write_text(str(free_port()))
+    (tmp_path / "moe-collective").touch()
+    hang_at, steps = 10, 150
+    (tmp_path / "hang-att1").write_text(str(hang_at))
+    hung = tmp_path / "hung-att1"
+
+    def resume():
+        deadline = time.monotonic() + WAIT_S
+        while not hung.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if hung.exists():
+            time.sleep(HANG_S)
+            os.kill(int(hung.read_text()), signal.SIGCONT)
+
+    continuer = threading.Thread(target=resume, daemon=True)
+    continuer.start()
+    targets = [
+        (group_ffn, 0, 2, 2, 0, 2, port, tmp_path, 0),
+        (group_ffn, 1, 2, 2, 0, 2, port, tmp_path, 0),
+        (lockstep_attention, 0, port, tmp_path, None, steps),
+        (lockstep_attention, 1, port, tmp_path, None, steps),
+    ]
+    out = run_processes(targets, timeout=200)
+    continuer.join(1)
+    assert_no_errors(out)
+    steady, stopped = out["att0"], out["att1"]
+    ffn0, ffn1 = out["ffn0-0"], out["ffn1-0"]
+    lost = stopped["outcomes"].count("lost")
+    print(f"attention 0's slowest step: {steady['slowest_s']:.2f} s; attention 1: {lost} "
+          f"steps lost; FFN rank 1 stepped {ffn1['empty_steps']} times without it")  # fmt: skip
+    assert steady["outcomes"] == ["ok"] * steps, _collapse(steady["outcomes"])
+    # its step waited timeout_s for FFN rank 1, and the next one for its stopped sibling
+    assert steady["slowest_s"] < HANG_S + 2 * TIMEOUT_S, steady
+    assert _collapse(stopped["outcomes"]) == ["ok", "lost", "ok"], _collapse(stopped["outcomes"])
+    assert stopped["outcomes"][hang_at] == "lost", stopped["outcomes"][: hang_at + 2]
+    (error,) = stopped["first_error"]
+    assert "dropped this rank" in error and "no answer within 3s" in error, error
+    assert ffn0["steps"] == ffn1["steps"] == steps, out
+    assert ffn1["lost"] == ffn1["rejoined"] == [1] and ffn0["lost"] == [], out
+    assert ffn1["empty_steps"] >= lost - 1 and ffn0["empty_steps"] == 0, out
 
 
 def tp_ffn(tp_rank, port, marks, incarnation, q):

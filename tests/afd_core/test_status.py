@@ -25,6 +25,22 @@ def test_round_trip_and_where():
     assert StepStatus(4).where() == "step 4" and StepStatus(4).ok
 
 
+def test_version_2_tells_a_dropped_rank_why():
+    from afd_core.connectors.protocol.status import VERSION
+
+    s = StepStatus(9, StatusCode.DROPPED, ffn_rank=1, reason="attention rank 3 announced step 11")
+    data = s.encode()
+    assert VERSION == 2 and struct.unpack_from("<q", data, 8) == (2,)
+    assert decode_status(data, 1) == s and not s.ok
+
+
+def test_a_status_of_another_version_is_refused_naming_both():
+    data = bytearray(StepStatus(1).encode())
+    data[8:16] = struct.pack("<q", 1)
+    with pytest.raises(StatusError, match="status version 1, this rank speaks 2"):
+        decode_status(bytes(data), 0)
+
+
 def test_long_reasons_are_cut_to_fit():
     s = decode_status(StepStatus(1, StatusCode.ABORT, reason="x" * 5000).encode(), 0)
     assert s.reason == "x" * MAX_REASON and s.code is StatusCode.ABORT

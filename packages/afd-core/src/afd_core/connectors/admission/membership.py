@@ -19,6 +19,7 @@ from afd_core.connectors.base import (
     AFDPeerError,
 )
 from afd_core.connectors.protocol.control import VERSION as CONTROL_VERSION
+from afd_core.connectors.protocol.status import VERSION as STATUS_VERSION
 from afd_core.connectors.transports.transport import Transport, TransportError
 from afd_core.log import get_logger
 
@@ -203,7 +204,8 @@ class StartupMembership:
         return {
             # a rank of another wire format would stop its FFN rank at its first control
             # message: named here, at start-up or at its rejoin, instead
-            "protocol_version": CONTROL_VERSION,
+            # [control message version, status message version]
+            "protocol_version": [CONTROL_VERSION, STATUS_VERSION],
             "connector": self.config.connector,
             "num_attention_ranks": self.config.num_attention_ranks,
             "num_ffn_ranks": self.config.num_ffn_ranks,

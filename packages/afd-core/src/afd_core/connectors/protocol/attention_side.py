@@ -264,6 +264,11 @@ class AttentionSide:
                 f"{self._me()}: {self._peer_name(0)} stopped the deployment during {where}: "
                 f"{status.reason}"
             )
+        if status is not None and status.code == StatusCode.DROPPED:
+            return self._ffn_failure(
+                f"{self._me()}: {self._peer_name(0)} dropped this rank during {where}: "
+                f"{status.reason}"
+            )
         return self._ffn_failure(
             f"{self._me()} exchanging {where} with {self._peer_name(0)}: {exc}"
         )
@@ -325,6 +330,10 @@ class AttentionSide:
             raise self._ffn_failure(
                 f"{self._me()}: {self._peer_name(0)} stopped the deployment at {where}: "
                 f"{status.reason}"
+            )
+        if status.code == StatusCode.DROPPED:
+            raise self._ffn_failure(
+                f"{self._me()}: {self._peer_name(0)} dropped this rank at {where}: {status.reason}"
             )
         if status.step != step.number:
             raise AFDPeerError(

@@ -150,7 +150,12 @@ class FFNStepAssembly:
         group.on_vector = self._wake_for_group_step
 
     def _wake_for_group_step(self) -> None:
-        if self._inbox is not None:
+        """A receive thread got another member's vector: wake the serving thread only if
+        it owes the group this step (on most steps its own peers send, and it is woken by
+        their control messages). No wake is lost: while the serving thread waits, only
+        this vector can change the answer; whatever it does itself (a peer dropped or
+        admitted) it checks again before it waits (recv_control)."""
+        if self._inbox is not None and self._owes_group_step():
             self._inbox.put(0, GroupStepBegun())
 
     def _owes_group_step(self) -> bool:

@@ -26,6 +26,9 @@ from afd_core.trace import now
 logger = get_logger(__name__)
 
 ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to take the reason
+# how long dropping a peer waits for its reason to leave (its status receive is posted while
+# it is in a step; a dead or silent peer's send fails or stays queued: not waited for)
+DROP_NOTICE_S = 0.2
 
 
 class PendingBatch:
@@ -123,6 +126,7 @@ class FFNDataPath:
             self._active_peers[i] = False
             self._peer_served(i)  # its listener, if it waits for that, stops
             self.peers_lost.append(self.peers[i])
+            self._tell_dropped(i, error)
             self._transport.drop_member(i + 1)
             self._release_claim(i)
             self.metrics.set_peers([self.peers[i]], False)
@@ -135,6 +139,20 @@ class FFNDataPath:
                 self.peers[i],
                 error,
             )
+
+    def _tell_dropped(self, i: int, error: AFDPeerError) -> None:
+        """Best effort: send peer i the reason it is dropped (a DROPPED status) before its
+        link closes, so a live peer names it instead of a closed connection."""
+        import torch
+
+        status = StepStatus(
+            self._peer_step[i] - 1, StatusCode.DROPPED, ffn_rank=self.role_rank, reason=str(error)
+        )
+        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
+        try:
+            self._transport.isend_status(payload, i + 1).wait(DROP_NOTICE_S)
+        except Exception:  # noqa: BLE001 - the peer may be gone, or its link broken
+            logger.debug("AFD %s: the drop's reason not delivered", self._me(), exc_info=True)
 
     def _peer_served(self, i: int) -> None:
         if self._inbox is not None:

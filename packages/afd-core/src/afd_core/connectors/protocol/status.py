@@ -3,11 +3,14 @@
 It tells the attention rank whether the FFN half of the step it just finished was computed
 (OK), failed but left the protocol in step (STEP_FAILED: the FFN rank answered the rest of
 the step with zeros; the attention rank fails that step's requests and both go on), or
-whether the FFN rank is leaving the deployment (ABORT, e.g. a peer sent the wrong step
-number: the attention rank stops too, with the FFN rank's reason, at once). Without it the
-attention side could not tell a computed step from one answered with zeros.
+whether the FFN rank is leaving the deployment (ABORT: the attention rank stops too, with
+the FFN rank's reason, at once), or whether it dropped this attention rank alone and serves
+the others on (DROPPED, version 2: e.g. the rank sent the wrong step number, or was silent
+past its bound; the attention rank takes its FFN rank as lost, with the FFN rank's reason
+instead of a closed connection, and rejoins). Without it the attention side could not tell a
+computed step from one answered with zeros.
 
-Wire format (version 1): STATUS_LEN bytes; eight little-endian int64
+Wire format (version 2): STATUS_LEN bytes; eight little-endian int64
 [MAGIC, VERSION, step, code, layer, microbatch, ffn_rank, reason_len], then up to
 MAX_REASON bytes of UTF-8 reason. No torch here: the connector turns the bytes into a tensor.
 """
@@ -19,7 +22,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = 0x41464453  # "AFDS"
-VERSION = 1
+VERSION = 2  # 2: DROPPED
 STATUS_LEN = 1024
 _HEADER = struct.Struct("<8q")
 MAX_REASON = STATUS_LEN - _HEADER.size
@@ -29,6 +32,7 @@ class StatusCode(enum.IntEnum):
     OK = 0
     STEP_FAILED = 1  # this step's FFN output is not valid; the deployment goes on
     ABORT = 2  # the FFN rank stops; the attention rank must stop too
+    DROPPED = 3  # the FFN rank dropped this attention rank alone and serves the others on
 
 
 class StatusError(RuntimeError):
