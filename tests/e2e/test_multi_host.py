@@ -313,18 +313,19 @@ LOSS_EXTRA = f", timeout_s = {LOSS_TIMEOUT_S}, liveness_timeout_s = {LOSS_LIVENE
 LOAD_MAX = 400  # requests at most; the load stops when the test says so
 
 # steady load from B's host: one request after another (0.3 s apart: two cores also start
-# A again meanwhile) until the stop file exists; the whole history (prompt, start, end,
-# token ids or the error) rewritten after each
+# A again meanwhile), each bounded (60 s, or the 7th argument), until the stop file
+# exists; the whole history (prompt, start, end, token ids or the error) rewritten after each
 LOAD = """
 import json, os, sys, time
 from afd_plugin.deploy.servers import complete
 url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 stop, out, most = sys.argv[4], sys.argv[5], int(sys.argv[6])
+bound = float(sys.argv[7]) if len(sys.argv) > 7 else 60.0
 history = []
 while not os.path.exists(stop) and len(history) < most:
     i, t0 = len(history) % len(prompts), time.time()
     try:
-        c = complete(url, prompts[i], max_tokens, timeout=60)
+        c = complete(url, prompts[i], max_tokens, timeout=bound)
         history.append([i, t0, time.time(), c.token_ids, None])
     except Exception as exc:
         history.append([i, t0, time.time(), None, repr(exc)[:300]])
