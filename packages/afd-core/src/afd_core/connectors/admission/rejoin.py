@@ -228,6 +228,10 @@ class RejoinWatch:
         self._connector = connector
         self._inbox = inbox
         self._name = name
+        # preparations in flight at once: a dead restart's and its successor's per peer;
+        # past that (a flood of requests, which a store without a secret lets anyone write)
+        # the watch takes the next request only as one ends, as it took all of them before
+        self._slots = threading.BoundedSemaphore(2 * max(len(connector.peers), 1))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"{name}-rejoin", daemon=True)
 
@@ -278,6 +282,9 @@ class RejoinWatch:
                     continue
                 # each on its own thread: a request whose process died holds its thread for
                 # the link's connect bound, not the requests after it
+                while not self._slots.acquire(timeout=WATCH_INTERVAL_S):
+                    if self._stop.is_set():
+                        return None
                 threading.Thread(
                     target=self._prepare,
                     args=(number, member, incarnation),
@@ -294,6 +301,7 @@ class RejoinWatch:
             logger.exception("AFD %s: rejoin request %d failed", c._me(), number)
             return
         finally:
+            self._slots.release()
             c._transport.store_delete(f"{c._group_prefix()}/rejoin/{number}")  # answered
         if ready is not None:
             if self._stop.is_set():
