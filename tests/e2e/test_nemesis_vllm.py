@@ -57,7 +57,7 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
         FAULTS == 0,
-        reason="opt-in (about 10 minutes on two cores, too long for CI's 40): "
+        reason="opt-in (about 11 minutes on two cores, too long for CI's 40): "
         "AFD_NEMESIS_VLLM_FAULTS=8 runs every fault kind once on real vLLM servers; "
         "the connector-level nemesis (tests/afd_core/test_nemesis.py) runs in CI",
     ),
