@@ -315,13 +315,16 @@ LATE_S = 6.0  # FFN rank 0 starts this long after attention rank 0, attention ra
 SHORT_CONNECT_S = 2.0
 
 
-def late_rank(role, rank, delay, port, q):
-    """One rank of 2A1F that starts `delay` seconds late, with a connect timeout far below
-    that delay; reports how it ended and the progress lines it logged while waiting."""
+def late_rank(role, rank, delay, port, q, after_rendezvous=False):
+    """One rank of 2A1F that starts `delay` seconds late (`after_rendezvous`: that long
+    after FFN rank 0's rendezvous listens, so the others' roll call waits that long however
+    slowly FFN rank 0's process starts), with a connect timeout far below that delay;
+    reports how it ended and the progress lines it logged while waiting."""
     import logging
 
     import afd_core.connectors.admission.formation as formation
     import afd_core.connectors.transports.rendezvous as rendezvous
+    from afd_core.connectors.transports.rendezvous import _listening
 
     # say it often here (30 s in a server): the wait for FFN rank 0's rendezvous, then the
     # roll call's
@@ -331,6 +334,10 @@ def late_rank(role, rank, delay, port, q):
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("vllm.afd_core").addHandler(handler)
     logging.getLogger("vllm.afd_core").setLevel(logging.INFO)
+    if after_rendezvous:
+        deadline = time.monotonic() + 60
+        while not _listening("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.1)
     time.sleep(delay)
     try:
         conn = make(role, rank, 2, 1, port, connect_timeout=SHORT_CONNECT_S)
@@ -340,6 +347,10 @@ def late_rank(role, rank, delay, port, q):
     except Exception as exc:  # noqa: BLE001 - the message is the result
         out = f"{type(exc).__name__}: {exc}"
     q.put(((role, rank), (out, [line for line in lines if "waiting" in line])))
+
+
+def rank_after_rendezvous(role, rank, delay, port, q):
+    late_rank(role, rank, delay, port, q, after_rendezvous=True)
 
 
 def test_an_ffn_server_that_loads_long_past_the_connect_timeout_is_joined(monkeypatch):
@@ -353,7 +364,10 @@ def test_an_ffn_server_that_loads_long_past_the_connect_timeout_is_joined(monkey
         [
             (late_rank, "attention", 0, 0.0, port),
             (late_rank, "ffn", 0, LATE_S, port),
-            (late_rank, "attention", 1, 2 * LATE_S, port),  # the roll call waits for it
+            # the roll call waits for it (counted from the rendezvous: CI once saw FFN rank
+            # 0's process take 10 s to listen, and the roll call's wait was too short for a
+            # progress line)
+            (rank_after_rendezvous, "attention", 1, LATE_S, port),
         ],
         timeout=120,
     )
