@@ -31,6 +31,8 @@ from afd_core.trace import now
 
 logger = get_logger(__name__)
 
+# what the FFN rank did, by the status code that says so
+_TOLD = {StatusCode.ABORT: "stopped the deployment", StatusCode.DROPPED: "dropped this rank"}
 STATUS_GRACE_S = 0.5  # how long a failed exchange waits for the FFN rank's reason
 
 
@@ -256,19 +258,21 @@ class AttentionSide:
         except (TransportError, StatusError):
             return None
 
+    def _told(self, status: StepStatus, when: str) -> Exception | None:
+        """The failure to raise where the FFN rank said it stops (ABORT) or dropped this
+        rank (DROPPED), with its reason; None for another status."""
+        what = _TOLD.get(status.code)
+        if what is None:
+            return None
+        return self._ffn_failure(
+            f"{self._me()}: {self._peer_name(0)} {what} {when}: {status.reason}"
+        )
+
     def _exchange_error(self, step, layer, microbatch, exc) -> Exception:
         where = f"layer {layer} (micro-batch {microbatch}) of step {step.number}"
         status = self._ffn_status_now(step)
-        if status is not None and status.code == StatusCode.ABORT:
-            return self._ffn_failure(
-                f"{self._me()}: {self._peer_name(0)} stopped the deployment during {where}: "
-                f"{status.reason}"
-            )
-        if status is not None and status.code == StatusCode.DROPPED:
-            return self._ffn_failure(
-                f"{self._me()}: {self._peer_name(0)} dropped this rank during {where}: "
-                f"{status.reason}"
-            )
+        if status is not None and (told := self._told(status, f"during {where}")):
+            return told
         return self._ffn_failure(
             f"{self._me()} exchanging {where} with {self._peer_name(0)}: {exc}"
         )
@@ -326,15 +330,8 @@ class AttentionSide:
             ) from None
         except StatusError as exc:
             raise AFDPeerError(f"{self._me()}: {exc}") from None
-        if status.code == StatusCode.ABORT:
-            raise self._ffn_failure(
-                f"{self._me()}: {self._peer_name(0)} stopped the deployment at {where}: "
-                f"{status.reason}"
-            )
-        if status.code == StatusCode.DROPPED:
-            raise self._ffn_failure(
-                f"{self._me()}: {self._peer_name(0)} dropped this rank at {where}: {status.reason}"
-            )
+        if told := self._told(status, f"at {where}"):
+            raise told
         if status.step != step.number:
             raise AFDPeerError(
                 f"{self._me()}: {self._peer_name(0)} ended step {status.step}, but this rank "

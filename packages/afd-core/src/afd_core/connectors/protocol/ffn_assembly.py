@@ -26,6 +26,7 @@ from afd_core.connectors.protocol.control import (
     Expectation,
     decode,
 )
+from afd_core.connectors.protocol.ffn_side import status_payload
 from afd_core.connectors.protocol.inbox import (
     ControlInbox,
     GroupStepBegun,
@@ -240,7 +241,6 @@ class FFNStepAssembly:
     def _answer_heartbeat(self, i: int, words: list[int]) -> None:
         """Listener thread: peer i is idle and alive; answer at once (heartbeat.py).
         TransportError for a heartbeat that cannot be accepted: the peer is dropped."""
-        import torch
 
         expect = Expectation(
             self.peers[i], self.wire.hidden_size, self.wire.dtype, self._peer_max_tokens[i]
@@ -250,8 +250,7 @@ class FFNStepAssembly:
         except ControlError as exc:
             raise TransportError(f"a heartbeat this rank cannot accept: {exc}") from None
         answer = StepStatus(msg.step, ffn_rank=self.role_rank)
-        payload = torch.frombuffer(bytearray(answer.encode()), dtype=torch.uint8)
-        self._transport.isend_status(payload, i + 1).wait()
+        self._transport.isend_status(status_payload(answer), i + 1).wait()
 
     def _control_error(self, i: int, exc) -> AFDPeerError:
         return AFDPeerError(

@@ -31,6 +31,13 @@ ABORT_DELIVERY_S = 1.0  # how long a stopping FFN rank waits for its peers to ta
 DROP_NOTICE_S = 0.2
 
 
+def status_payload(status: StepStatus):
+    """A status message as the uint8 tensor the control channel sends."""
+    import torch
+
+    return torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
+
+
 class PendingBatch:
     """FFN side: one layer/micro-batch whose receives from every peer are posted."""
 
@@ -143,14 +150,11 @@ class FFNDataPath:
     def _tell_dropped(self, i: int, error: AFDPeerError) -> None:
         """Best effort: send peer i the reason it is dropped (a DROPPED status) before its
         link closes, so a live peer names it instead of a closed connection."""
-        import torch
-
         status = StepStatus(
             self._peer_step[i] - 1, StatusCode.DROPPED, ffn_rank=self.role_rank, reason=str(error)
         )
-        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
         try:
-            self._transport.isend_status(payload, i + 1).wait(DROP_NOTICE_S)
+            self._transport.isend_status(status_payload(status), i + 1).wait(DROP_NOTICE_S)
         except Exception:  # noqa: BLE001 - the peer may be gone, or its link broken
             logger.debug("AFD %s: the drop's reason not delivered", self._me(), exc_info=True)
 
@@ -281,7 +285,6 @@ class FFNDataPath:
 
     def finish_step(self, failure: StepStatus | None = None) -> None:
         """End the step: every output delivered, and each live peer told how it went."""
-        import torch
 
         t = self._require("ffn")
         plan = self._require_plan()
@@ -293,8 +296,7 @@ class FFNDataPath:
             for i, peer in enumerate(self.peers):
                 if peer not in step_of or not self._active_peers[i]:
                     continue
-                mine = dataclasses.replace(status, step=step_of[peer])
-                payload = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
+                payload = status_payload(dataclasses.replace(status, step=step_of[peer]))
                 try:
                     handles.append((i, t.isend_status(payload, i + 1)))
                 except TransportError as exc:
@@ -337,13 +339,12 @@ class FFNDataPath:
     def abort(self, reason: str) -> None:
         """Tell every live peer this FFN rank stops (best effort), so they stop at once
         with this reason instead of seeing a closed connection only."""
-        import torch
 
         t = self._transport
         if t is None or self._closed:
             return
         status = StepStatus(self._step, StatusCode.ABORT, ffn_rank=self.role_rank, reason=reason)
-        payload = torch.frombuffer(bytearray(status.encode()), dtype=torch.uint8)
+        payload = status_payload(status)
         handles = []
         for i, _ in enumerate(self.peers):
             if not self._active_peers[i]:

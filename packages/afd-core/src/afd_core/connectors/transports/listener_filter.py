@@ -185,7 +185,7 @@ def exchange_sources(
     `members` connect from; each member calls it with its group `rank` (with no listener,
     a member still publishes, so the others do not wait for it)."""
     from afd_core.connectors.transports.channel_address import routed_address
-    from afd_core.connectors.transports.store_keys import wait_for_keys
+    from afd_core.connectors.transports.store_keys import KeysNotWritten, read_when_written
 
     others = [m for m in members if m != rank]
 
@@ -193,15 +193,13 @@ def exchange_sources(
         store.set(f"guard/{kind}/{rank}", mine)
         keys = [f"guard/{kind}/{m}" for m in others]
         try:  # polled: a blocking wait holds the process's other store operations
-            if wait_for_keys(store, keys, timeout_s):
-                return {m: store.get(key).decode() for m, key in zip(others, keys, strict=True)}
-            failure = "not written"
-        except Exception as exc:  # noqa: BLE001 - the store's connection error
-            failure = str(exc).splitlines()[0][:200] if str(exc) else repr(exc)
-        raise TransportError(
-            f"group rank(s) {others} did not say where they connect from within "
-            f"{timeout_s:.0f}s ({failure})"
-        )
+            values = read_when_written(store, keys, timeout_s)
+        except KeysNotWritten as exc:
+            raise TransportError(
+                f"group rank(s) {others} did not say where they connect from within "
+                f"{timeout_s:.0f}s ({exc})"
+            ) from None
+        return {m: value.decode() for m, value in zip(others, values, strict=True)}
 
     def routed_from(address: str) -> str:
         try:

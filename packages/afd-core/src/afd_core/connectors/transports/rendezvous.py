@@ -511,15 +511,12 @@ class StoreTransport(Transport):
     def store_get(self, key: str, timeout_s: float) -> bytes:
         """The key's value once written, polled (store_keys.py: a blocking get would hold
         the process's other store operations behind it); TransportError after timeout_s."""
-        from afd_core.connectors.transports.store_keys import wait_for_keys
+        from afd_core.connectors.transports.store_keys import KeysNotWritten, read_when_written
 
         try:
-            if wait_for_keys(self._store, [key], timeout_s):
-                return self._store.get(key)
-            failure = "not written"
-        except Exception as exc:  # noqa: BLE001 - the store's connection error
-            failure = str(exc).splitlines()[0][:200] if str(exc) else repr(exc)
-        raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {failure}")
+            return read_when_written(self._store, [key], timeout_s)[0]
+        except KeysNotWritten as exc:
+            raise TransportError(f"no answer for {key!r} within {timeout_s:.0f}s: {exc}") from None
 
     def store_add(self, key: str, amount: int) -> int:
         return int(self._store.add(key, amount))

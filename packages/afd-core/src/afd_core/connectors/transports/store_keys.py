@@ -28,3 +28,20 @@ def wait_for_keys(store, keys: list[str], timeout_s: float) -> bool:
         time.sleep(min(pause, left))
         pause = min(2 * pause, MAX_PAUSE_S)
     return True
+
+
+class KeysNotWritten(Exception):
+    """`read_when_written` gave up; its text says why (not written in time, or the store's
+    own error)."""
+
+
+def read_when_written(store, keys: list[str], timeout_s: float) -> list[bytes]:
+    """The keys' values once every one is written (`wait_for_keys`); KeysNotWritten after
+    timeout_s or when the store fails."""
+    try:
+        if wait_for_keys(store, keys, timeout_s):
+            return [store.get(key) for key in keys]
+        failure = "not written"
+    except Exception as exc:  # noqa: BLE001 - the store's connection error
+        failure = str(exc).splitlines()[0][:200] if str(exc) else repr(exc)
+    raise KeysNotWritten(failure)
